@@ -16,7 +16,12 @@ def tight_box(means: np.ndarray) -> Box:  # means [N, 3]
     return tuple(float(v) for v in (*lo, *hi))  # type: ignore[return-value]
 
 
-def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = 3.0) -> Box:
+# gsplat's projection keeps a splat out to min(3.33, sqrt(2 ln(255 o))) sigma, so a 3-sigma box
+# could cull a Gaussian that still colours a pixel; 3.33 keeps culling exact.
+EXTENT_SIGMA = 3.33
+
+
+def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = EXTENT_SIGMA) -> Box:
     """means [N, 3], log_scales [N, 3]: the box holding every Gaussian's sigma-ellipsoid.
 
     Uses the largest axis of each Gaussian, so it bounds any rotation of it.
