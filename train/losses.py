@@ -1,0 +1,28 @@
+"""Photometric loss and image metrics (3DGS: 0.8 L1 + 0.2 (1 - SSIM); PSNR and SSIM for evaluation)."""
+from __future__ import annotations
+
+import torch
+from pytorch_msssim import ssim as _ssim
+from torch import Tensor
+
+SSIM_WINDOW = 11  # pytorch_msssim's default Gaussian window; smaller images fall back to L1
+
+
+def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scalar
+    """Structural similarity as 3DGS computes it (11x11 Gaussian window, sigma 1.5, valid region)."""
+    x = rendered.permute(2, 0, 1).unsqueeze(0)
+    y = target.permute(2, 0, 1).unsqueeze(0)
+    return _ssim(x, y, data_range=1.0, size_average=True)
+
+
+def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = 0.2) -> Tensor:
+    """rendered, target: [H, W, 3] in [0, 1]; returns a scalar."""
+    l1 = (rendered - target).abs().mean()
+    if min(rendered.shape[0], rendered.shape[1]) < SSIM_WINDOW or ssim_lambda == 0.0:
+        return l1
+    return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - ssim(rendered, target))
+
+
+def psnr(rendered: Tensor, target: Tensor) -> float:
+    mse = torch.mean((rendered.detach().clamp(0, 1) - target) ** 2).item()
+    return float("inf") if mse == 0 else -10.0 * float(torch.log10(torch.tensor(mse)))
