@@ -1,0 +1,48 @@
+"""Options for loading a dataset."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How `load_scene` reads a dataset.
+
+    data_factor: images are downscaled by this integer factor; intrinsics follow. Downscaled (and
+        undistorted) images are cached on disk, see `cache_dir`.
+    test_every: every `test_every`-th image (in name order, starting with the first) is held out for
+        evaluation; 0 holds out nothing.
+    normalize: move the world into gsplat's normalised frame (`SceneData.world_transform` says how);
+        False keeps the input frame (the trainer does this and applies a store's own transform).
+    cache_dir: where downscaled / undistorted images go. None: next to the images (`images_4/`) when
+        that folder is writable, else under ~/.cache/octosplat/. A path: under it, one folder per dataset.
+    prefetch: how many upcoming images `SceneData.prefetcher` keeps loaded ahead of training.
+    background: RGB in [0, 1] on which RGBA images are composited (their alpha is also kept as a mask).
+    check_images: read every image's header while loading the scene, so a missing, unreadable or
+        wrongly sized image fails at once and not hours into training. Headers only, no pixels.
+    random_points: how many points a scene without a point cloud starts from (uniform in its bounds).
+    seed: seeds that random initialisation.
+    """
+
+    data_factor: int = 1
+    test_every: int = 8
+    normalize: bool = True
+    cache_dir: Path | None = None
+    prefetch: int = 4
+    background: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    check_images: bool = True
+    random_points: int = 100_000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if int(self.data_factor) != self.data_factor or self.data_factor < 1:
+            raise ValueError(f"data_factor must be a positive integer, got {self.data_factor!r}")
+        if self.test_every < 0 or self.test_every == 1:
+            raise ValueError(f"test_every must be 0 (no test split) or at least 2, got {self.test_every}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {self.prefetch}")
+        if len(self.background) != 3 or not all(0.0 <= c <= 1.0 for c in self.background):
+            raise ValueError(f"background must be three values in [0, 1], got {self.background!r}")
+        if self.random_points < 1:
+            raise ValueError(f"random_points must be positive, got {self.random_points}")
