@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
@@ -17,7 +18,8 @@ def _block(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def test_rows_stepped_every_time_match_torch_adam():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rows_stepped_every_time_match_torch_adam(compiled):
     cfg = AdamConfig()
     lrs = learning_rates(cfg, 0, 100, scene_scale=2.0)
     block = _block(7)
@@ -28,7 +30,7 @@ def test_rows_stepped_every_time_match_torch_adam():
     rows = torch.arange(7)
     for _ in range(5):
         grads = {n: torch.randn(block[n].shape, generator=g) for n in PARAM_NAMES}
-        sparse_adam_step(block, grads, rows, lrs, cfg)
+        sparse_adam_step(block, grads, rows, lrs, cfg, compiled=compiled)
         for n in PARAM_NAMES:
             ref[n].grad = grads[n].clone()
         opt.step()
@@ -37,13 +39,14 @@ def test_rows_stepped_every_time_match_torch_adam():
     assert block["adam_step"].tolist() == [5] * 7
 
 
-def test_rows_not_stepped_are_untouched_and_keep_their_own_bias_correction():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rows_not_stepped_are_untouched_and_keep_their_own_bias_correction(compiled):
     cfg = AdamConfig()
     lrs = learning_rates(cfg, 0, 100, scene_scale=1.0)
     block = _block(4)
     before = {k: v.clone() for k, v in block.items()}
     grads = {n: torch.ones_like(block[n]) for n in PARAM_NAMES}
-    sparse_adam_step(block, grads, torch.tensor([1, 3]), lrs, cfg)
+    sparse_adam_step(block, grads, torch.tensor([1, 3]), lrs, cfg, compiled=compiled)
     for k in block:
         assert torch.equal(block[k][[0, 2]], before[k][[0, 2]]), k
     # a row's first step moves it by exactly lr (Adam's bias-corrected first step with g = 1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numba
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,6 +53,44 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
     return lrs
 
 
+@numba.njit(cache=True, fastmath=False)
+def _adam_rows_cpu(p, g, m, v, rows, step, lr, b1, b2, eps):  # p, g, m, v [N, D] float32; rows, step [R]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        bc1 = 1.0 - b1 ** step[i]
+        bc2_sqrt = np.sqrt(1.0 - b2 ** step[i])
+        for j in range(p.shape[1]):
+            gj = g[r, j]
+            mj = np.float32(b1 * m[r, j] + (1.0 - b1) * gj)
+            vj = np.float32(b2 * v[r, j] + (1.0 - b2) * gj * gj)
+            m[r, j] = mj
+            v[r, j] = vj
+            p[r, j] = np.float32(p[r, j] - (lr / bc1) * mj / (np.sqrt(vj) / bc2_sqrt + eps))
+
+
+def _adam_rows_torch(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, rows: Tensor, step: Tensor, lr: float, b1: float, b2: float, eps: float
+) -> None:  # p, g, m, v [N, ...]; rows, step [R]
+    shape = (-1,) + (1,) * (p.dim() - 1)
+    stepf = step.to(torch.float64)
+    bc1 = (1.0 - b1**stepf).to(torch.float32).view(shape)
+    bc2_sqrt = torch.sqrt(1.0 - b2**stepf).to(torch.float32).view(shape)
+    g_r = g[rows]
+    m_r = m[rows].mul_(b1).add_(g_r, alpha=1.0 - b1)
+    v_r = v[rows].mul_(b2).addcmul_(g_r, g_r, value=1.0 - b2)
+    p[rows] = p[rows] - (lr / bc1) * m_r / ((v_r.sqrt() / bc2_sqrt).add_(eps))
+    m[rows] = m_r
+    v[rows] = v_r
+
+
+def _adam_rows_numba(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, rows: Tensor, step: Tensor, lr: float, b1: float, b2: float, eps: float
+) -> None:
+    n = p.shape[0]
+    views = [t.reshape(n, -1).numpy() for t in (p, g.contiguous(), m, v)]
+    _adam_rows_cpu(*views, rows.numpy(), step.numpy(), lr, b1, b2, eps)
+
+
 @torch.no_grad()
 def sparse_adam_step(
     block: dict[str, Tensor],  # every array of one block (parameters, exp_avg_*, exp_avg_sq_*, adam_step)
@@ -58,23 +98,16 @@ def sparse_adam_step(
     rows: Tensor,  # [R] int64, the rows that contributed to a pixel this step
     lrs: dict[str, float],
     cfg: AdamConfig,
+    compiled: bool | None = None,  # CPU: one compiled loop instead of ~100 tiny tensor ops (default on CPU)
 ) -> None:
     """Update `block` in place on `rows` only."""
     if rows.numel() == 0:
         return
-    b1, b2 = cfg.betas
+    if compiled is None:
+        compiled = block["means"].device.type == "cpu"
+    update = _adam_rows_numba if compiled else _adam_rows_torch
     step = block["adam_step"][rows] + 1  # [R]
     block["adam_step"][rows] = step
-    stepf = step.to(torch.float64)
-    bc1 = (1.0 - b1**stepf).to(torch.float32)  # [R]
-    bc2_sqrt = torch.sqrt(1.0 - b2**stepf).to(torch.float32)  # [R]
     for name in PARAM_NAMES:
-        g = grads[name][rows]
-        p, m, v = block[name], block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"]
-        shape = (-1,) + (1,) * (g.dim() - 1)
-        m_r = m[rows].mul_(b1).add_(g, alpha=1.0 - b1)
-        v_r = v[rows].mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        denom = (v_r.sqrt() / bc2_sqrt.view(shape)).add_(cfg.eps)
-        p[rows] = p[rows] - (lrs[name] / bc1.view(shape)) * m_r / denom
-        m[rows] = m_r
-        v[rows] = v_r
+        update(block[name], grads[name], block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"], rows, step,
+               lrs[name], cfg.betas[0], cfg.betas[1], cfg.eps)
