@@ -1,0 +1,297 @@
+"""`python -m tools.bench mpi {volume,scaling}`: what the MPI exchange costs.
+
+volume: bytes per step of our boundary exchange against gsplat's distributed mode on the
+street-level synthetic city (`tools.city`), counted exactly from the splats every camera gets.
+A splat is a Gaussian-camera pair that projection keeps (nonzero radius inside the image), found
+with `train.render.project` (the trainer's projection, gsplat's semantics) on the Gaussians of the
+blocks `octree.frustum_cull` keeps: the same pairs for both systems. Occlusion culls nothing in
+either system, so it is not modelled.
+
+  ours:   Gaussians are owned by space (octree blocks in Morton order, `octree.partition` into
+          weight-balanced rank regions); each camera is rendered by the rank `train.assign` gives it.
+          A splat travels when its owner is not the camera's rank: 12 floats forward
+          (`Splats2D.pack`), 9 gradient floats and the contributed flag back (`train.mpi`).
+  gsplat: `rasterization(packed=True, distributed=True)` in gsplat 1.5.3 deals Gaussians round robin
+          (its trainer's `points[rank::world_size]`) and all-to-alls every projected pair to the
+          camera's rank: radii 2 int32, means2d 2 + depths 1 + conics 3 + opacities 1 + colors 3
+          float32, camera and Gaussian ids. Its differentiable all-to-all sends the gradient of the
+          10 float columns back. The cameras go to the same ranks as ours.
+  Control messages (counts: R x cameras integers per rank) are left out of both.
+
+scaling: the lead's strong-scaling run (not yet implemented).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from octree import build_octree, extent_boxes, frustum_cull, partition
+from tools.city import CityConfig, CityError, generate_city
+from train.assign import assign_cameras
+from train.camera import Camera
+from train.render import project
+from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
+from train.schedule import step_cameras
+
+# Bytes per travelling splat.
+OURS_FORWARD_FLOATS = WIRE_FLOATS  # 12; float32 or float16 on the wire
+OURS_BACKWARD_BYTES = (GRAD_FLOATS + 1) * 4  # 9 float32 gradients and the contributed flag
+GSPLAT_FORWARD_BYTES = 56  # 2 int32 radii, 10 float32, 2 int32 ids (the issue's figure)
+GSPLAT_FORWARD_BYTES_INT64_IDS = 64  # what 1.5.3's CUDA projection allocates: int64 camera/Gaussian ids
+GSPLAT_BACKWARD_BYTES = 40  # gradients of the 10 float32 columns
+
+POLICIES = ("in-order", "balanced-blocks", "balanced-splats")
+_PROJECT_ROWS = 1 << 18  # Gaussians per projection call: bounds the temporaries to ~100 MB
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Gaussians sorted into octree blocks (Morton order), blocks into contiguous rank regions."""
+
+    splats: dict[str, Tensor]  # gsplat's parameters, rows in block order
+    ids: np.ndarray  # [N] int64 each row's index in the input (round robin deals by it)
+    starts: np.ndarray  # [B] int64 first row of each block
+    counts: np.ndarray  # [B] int64 Gaussians per block
+    extents: np.ndarray  # [B, 6] extent boxes (culling)
+    bounds: np.ndarray  # [R + 1] int64 rank r owns blocks bounds[r]:bounds[r + 1]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def block_rank(self) -> np.ndarray:  # [B] int64
+        return np.repeat(np.arange(self.ranks), np.diff(self.bounds))
+
+    @property
+    def owner(self) -> np.ndarray:  # [N] int64 rank of each row
+        return np.repeat(self.block_rank, self.counts)
+
+    def rank_gaussians(self) -> np.ndarray:  # [R] int64
+        return np.bincount(self.block_rank, weights=self.counts, minlength=self.ranks).astype(np.int64)
+
+
+def build_layout(splats: dict[str, np.ndarray], ranks: int, max_per_block: int) -> Layout:
+    """The octree over the means, partitioned by Gaussian count into `ranks` regions."""
+    tree = build_octree(splats["means"], max_per_block)
+    order = tree.order
+    sorted_splats = {k: torch.from_numpy(np.ascontiguousarray(v[order])) for k, v in splats.items()}
+    extents = extent_boxes(splats["means"][order], splats["scales"][order], tree.starts)
+    return Layout(sorted_splats, order, tree.starts, tree.counts, extents, partition(tree.counts, ranks))
+
+
+def _visible_blocks(layout: Layout, camera: Camera) -> np.ndarray:  # [B] bool
+    return frustum_cull(layout.extents, camera.viewmat, camera.K, camera.width, camera.height)
+
+
+def _row_runs(layout: Layout, mask: np.ndarray) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of the blocks in `mask`, adjacent blocks merged, at most _PROJECT_ROWS long."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    first, stop = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # block index ranges
+    ends = layout.starts + layout.counts
+    runs = []
+    for a, b in zip(layout.starts[first], ends[stop - 1]):
+        runs.extend((s, min(s + _PROJECT_ROWS, int(b))) for s in range(int(a), int(b), _PROJECT_ROWS))
+    return runs
+
+
+@torch.no_grad()
+def splat_rows(layout: Layout, camera: Camera) -> np.ndarray:  # [M] int64 rows with a splat in `camera`
+    parts = [np.zeros(0, dtype=np.int64)]
+    for a, b in _row_runs(layout, _visible_blocks(layout, camera)):
+        chunk = {k: v[a:b] for k, v in layout.splats.items()}
+        parts.append(project(chunk, camera, sh_degree=0).ids.numpy() + a)
+    return np.concatenate(parts)
+
+
+def count_splats(layout: Layout, cameras: list[Camera]) -> tuple[np.ndarray, np.ndarray]:
+    """Splats per camera and owning rank: (ours [C, R] by region, round_robin [C, R] by input index mod R)."""
+    owner = layout.owner
+    ours = np.zeros((len(cameras), layout.ranks), dtype=np.int64)
+    round_robin = np.zeros_like(ours)
+    for c, camera in enumerate(cameras):
+        rows = splat_rows(layout, camera)
+        ours[c] = np.bincount(owner[rows], minlength=layout.ranks)
+        round_robin[c] = np.bincount(layout.ids[rows] % layout.ranks, minlength=layout.ranks)
+    return ours, round_robin
+
+
+def block_affinity(layout: Layout, cameras: list[Camera]) -> np.ndarray:  # [C, R]
+    """What the trainer knows before projecting: each rank's Gaussians in blocks the camera may see."""
+    block_rank = layout.block_rank
+    out = np.zeros((len(cameras), layout.ranks), dtype=np.int64)
+    for c, camera in enumerate(cameras):
+        visible = _visible_blocks(layout, camera)
+        out[c] = np.bincount(block_rank[visible], weights=layout.counts[visible], minlength=layout.ranks)
+    return out
+
+
+@dataclass
+class Step:
+    cameras: np.ndarray  # [R * per_rank] int64 indices into the camera list
+    ranks: np.ndarray  # [R * per_rank] int64 the rank rendering each
+
+
+def plan_steps(affinity: np.ndarray,  # [C, R] over all cameras; unused by "in-order"
+               per_rank: int, steps: int, seed: int, policy: str) -> list[Step]:
+    """The trainer's seeded schedule, each step's cameras given to ranks by `policy`:
+    "in-order" (rank r renders the r-th share of the batch) or "balanced-*" (`assign_cameras`)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown assignment policy {policy!r} (choose from {', '.join(POLICIES)})")
+    n_cams, n_ranks = affinity.shape
+    plan = []
+    for s in range(steps):
+        cams = step_cameras(seed, n_cams, n_ranks * per_rank, s)
+        if policy == "in-order":
+            ranks = np.repeat(np.arange(n_ranks), per_rank)
+        else:
+            ranks = np.asarray(assign_cameras(affinity[cams], per_rank), dtype=np.int64)
+        plan.append(Step(cams, ranks))
+    return plan
+
+
+@dataclass
+class Volume:
+    """Travelling splats summed over the steps of a plan."""
+
+    steps: int
+    splats: int  # Gaussian-camera pairs with a splat
+    ours: int  # of which owned by a rank other than the camera's under our layout
+    gsplat: int  # of which owned by another rank under round robin
+
+    def per_step_bytes(self) -> dict[str, float]:
+        """Bytes per step by system and payload."""
+        o, g = self.ours / self.steps, self.gsplat / self.steps
+        return {
+            "ours fp32 fwd": o * OURS_FORWARD_FLOATS * 4,
+            "ours fp16 fwd": o * OURS_FORWARD_FLOATS * 2,
+            "ours fp32 fwd+bwd": o * (OURS_FORWARD_FLOATS * 4 + OURS_BACKWARD_BYTES),
+            "ours fp16 fwd+bwd": o * (OURS_FORWARD_FLOATS * 2 + OURS_BACKWARD_BYTES),
+            "gsplat fwd": g * GSPLAT_FORWARD_BYTES,
+            "gsplat fwd+bwd": g * (GSPLAT_FORWARD_BYTES + GSPLAT_BACKWARD_BYTES),
+            "gsplat fwd int64 ids": g * GSPLAT_FORWARD_BYTES_INT64_IDS,
+        }
+
+    def ratios(self) -> dict[str, float]:
+        """Ours over gsplat's 56-byte packed forward (and its forward + backward)."""
+        b = self.per_step_bytes()
+        return {
+            "fp32 fwd": b["ours fp32 fwd"] / b["gsplat fwd"],
+            "fp16 fwd": b["ours fp16 fwd"] / b["gsplat fwd"],
+            "fp32 fwd+bwd": b["ours fp32 fwd+bwd"] / b["gsplat fwd+bwd"],
+            "fp16 fwd+bwd": b["ours fp16 fwd+bwd"] / b["gsplat fwd+bwd"],
+        }
+
+
+def exchange_volume(ours: np.ndarray,  # [C, R] splats per camera by owning rank, our layout
+                    round_robin: np.ndarray,  # [C, R] the same under round robin
+                    plan: list[Step]) -> Volume:
+    total = crossing_ours = crossing_gsplat = 0
+    for step in plan:
+        local = ours[step.cameras, step.ranks]
+        local_rr = round_robin[step.cameras, step.ranks]
+        pairs = ours[step.cameras].sum(axis=1)
+        total += int(pairs.sum())
+        crossing_ours += int((pairs - local).sum())
+        crossing_gsplat += int((pairs - local_rr).sum())
+    return Volume(len(plan), total, crossing_ours, crossing_gsplat)
+
+
+# ---- volume: the command ----
+
+def _volume_args(p: argparse.ArgumentParser) -> None:
+    d = CityConfig()
+    p.add_argument("--blocks", type=int, default=d.blocks, help="city blocks per side")
+    p.add_argument("--density", type=float, default=d.density, help="Gaussians per square metre of surface")
+    p.add_argument("--cameras", type=int, default=d.cameras)
+    p.add_argument("--width", type=int, default=d.width)
+    p.add_argument("--height", type=int, default=d.height)
+    p.add_argument("--fov", type=float, default=d.fov_x, help="horizontal field of view, degrees")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--per-rank", type=int, default=4, help="cameras each rank renders per step")
+    p.add_argument("--steps", type=int, default=None, help="default: one pass over the cameras")
+    p.add_argument("--max-per-block", type=int, default=65536, help="octree leaf capacity (the tiler's default)")
+
+
+def _print_layout(layout: Layout) -> None:
+    gauss = layout.rank_gaussians()
+    blocks = np.diff(layout.bounds)
+    print(f"octree: {len(layout.counts)} blocks over {layout.ranks} ranks")
+    print("rank  Gaussians   share  blocks")
+    for r in range(layout.ranks):
+        print(f"{r:4d} {gauss[r]:10,d} {gauss[r] / gauss.sum():7.2%} {blocks[r]:7d}")
+    print(f"imbalance (max/mean): Gaussians {gauss.max() / gauss.mean():.3f}, blocks {blocks.max() / blocks.mean():.3f}")
+
+
+def _print_volumes(volumes: dict[str, Volume]) -> None:
+    first = next(iter(volumes.values()))
+    print(f"\nsplats (Gaussian-camera pairs) per step: {first.splats / first.steps:,.0f}; "
+          "those owned by a rank other than the camera's travel")
+    print(f"{'assignment':16s} {'ours':>22s} {'gsplat round robin':>22s}")
+    for name, v in volumes.items():
+        print(f"{name:16s} {v.ours / v.steps:14,.0f} ({v.ours / v.splats:5.1%}) {v.gsplat / v.steps:14,.0f} "
+              f"({v.gsplat / v.splats:5.1%})")
+    print(f"\nMB per step {'':17s} ours fp32  ours fp16  gsplat  |  ratio fp32  ratio fp16")
+    for name, v in volumes.items():
+        b, r = v.per_step_bytes(), v.ratios()
+        for label, key in (("forward", "fwd"), ("fwd+bwd", "fwd+bwd")):
+            print(f"{name if key == 'fwd' else '':16s} {label:8s}{b[f'ours fp32 {key}'] / 1e6:13.1f}"
+                  f"{b[f'ours fp16 {key}'] / 1e6:11.1f}{b[f'gsplat {key}'] / 1e6:8.1f}  |"
+                  f"{r[f'fp32 {key}']:11.3f}x{r[f'fp16 {key}']:11.3f}x")
+    print(f"\nbytes a travelling splat: ours {OURS_FORWARD_FLOATS * 4} (fp32) / {OURS_FORWARD_FLOATS * 2} (fp16) "
+          f"forward + {OURS_BACKWARD_BYTES} back; gsplat {GSPLAT_FORWARD_BYTES} forward + {GSPLAT_BACKWARD_BYTES} back "
+          f"({GSPLAT_FORWARD_BYTES_INT64_IDS} forward with the int64 ids 1.5.3's CUDA code allocates: forward ratios "
+          f"x {GSPLAT_FORWARD_BYTES / GSPLAT_FORWARD_BYTES_INT64_IDS:.3f})")
+
+
+def volume(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench mpi volume",
+                                description="bytes per step of the splat exchange, ours vs gsplat distributed")
+    _volume_args(p)
+    a = p.parse_args(argv)
+    for name in ("ranks", "per_rank", "max_per_block", "steps"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    steps = a.steps if a.steps is not None else max(1, a.cameras // (a.ranks * a.per_rank))
+    try:
+        cfg = CityConfig(blocks=a.blocks, density=a.density, cameras=a.cameras, width=a.width, height=a.height,
+                         fov_x=a.fov, seed=a.seed)
+    except CityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    city = generate_city(cfg)
+    print(f"city: {cfg.blocks}x{cfg.blocks} blocks, {cfg.extent:.0f} m square, {len(city):,} Gaussians, "
+          f"{len(city.buildings)} buildings; {cfg.cameras} cameras {cfg.width}x{cfg.height} "
+          f"fov {cfg.fov_x:g} deg at {cfg.eye_height} m")
+    layout = build_layout(city.splats(), a.ranks, a.max_per_block)
+    _print_layout(layout)
+    print(f"schedule: {a.ranks} ranks x {a.per_rank} cameras per step, {steps} steps (seed {cfg.seed})")
+    ours, round_robin = count_splats(layout, city.cameras)
+    affinity = {"in-order": ours, "balanced-blocks": block_affinity(layout, city.cameras), "balanced-splats": ours}
+    volumes = {pol: exchange_volume(ours, round_robin, plan_steps(affinity[pol], a.per_rank, steps, cfg.seed, pol))
+               for pol in POLICIES}
+    _print_volumes(volumes)
+    return 0
+
+
+# ---- scaling: the lead's ----
+
+def scaling(argv: list[str]) -> int:
+    print("mpi scaling: not yet implemented", file=sys.stderr)
+    return 2
+
+
+SUBCOMMANDS = {"volume": volume, "scaling": scaling}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print(f"usage: python -m tools.bench mpi {{{','.join(SUBCOMMANDS)}}} [options]", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return SUBCOMMANDS[argv[0]](argv[1:])
