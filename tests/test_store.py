@@ -1,0 +1,297 @@
+"""The store: bit-exact round trips, commits, garbage collection, other zarr stores, input checks."""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import GzipCodec
+from zarr.storage import MemoryStore
+
+from octree.bounds import extent_box, tight_box
+from storage import (
+    BlockDataError,
+    BlockInfo,
+    BlockNotFoundError,
+    CodecConfig,
+    CommitProtocolError,
+    CommitStateError,
+    Store,
+    StoreError,
+    StoreExistsError,
+    StoreFormatError,
+    StoreKeyError,
+)
+from storage.schema import PARAM_NAMES
+from tests.helpers.store_data import block_digest, garden_blocks, random_block
+
+CELL = (0.0, 0.0, 0.0, 1.0, 1.0, 1.0)
+CODECS = [
+    CodecConfig(),  # lz4 where it pays: a mix of raw and compressed arrays
+    CodecConfig(min_saving=0),
+    CodecConfig(cname="zstd", clevel=3, shuffle="bitshuffle", min_saving=0),
+    CodecConfig(cname="none", checksum=False),
+    # Several chunks per array, the last one padded: the multi-chunk read path.
+    CodecConfig(chunk_mb=0.05, min_saving=0),
+]
+
+
+@pytest.fixture(scope="module")
+def garden(shared_data: Path) -> dict:
+    return garden_blocks(shared_data / "test_garden.npz", sh_degree=3)
+
+
+def on_disk_versions(root: Path) -> set[tuple[str, int]]:
+    return {
+        (k.name, int(v.name))
+        for k in (root / "blocks").iterdir()
+        if k.is_dir()
+        for v in k.iterdir()
+        if v.is_dir()
+    }
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.cname}-{c.checksum}-{c.chunk_mb}-{c.min_saving}")
+def test_round_trip_real_scene_bit_for_bit(tmp_path: Path, garden: dict, codec: CodecConfig) -> None:
+    if codec != CodecConfig():  # the whole scene once; the first 5000 rows of each block for the rest
+        garden = {k: ({n: a[:5000] for n, a in arrays.items()}, cell) for k, (arrays, cell) in garden.items()}
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 3}, codec=codec)
+    infos = {key: store.write_block(key, arrays, cell) for key, (arrays, cell) in garden.items()}
+    store.commit(infos, state={"step": 7})
+    reopened = Store.open(tmp_path / "s.zarr", verify="data")
+    assert reopened.state == {"step": 7} and set(reopened.table) == set(garden)
+    for key, (arrays, cell) in garden.items():
+        got = reopened.read_block(key)
+        for name, a in arrays.items():
+            assert got[name].dtype == a.dtype and got[name].shape == a.shape
+            # Bit patterns, not values: -0.0 and NaN payloads would slip through ==.
+            assert np.array_equal(got[name].view(np.uint8), a.view(np.uint8)), (key, name)
+            assert got[name].flags.writeable
+        info = reopened.table[key]
+        assert info.count == len(arrays["means"]) and info.cell == cell
+        assert info.tight == tight_box(arrays["means"])
+        assert info.extent == extent_box(arrays["means"], arrays["scales"])
+        params = reopened.read_params(key)
+        assert set(params) == set(PARAM_NAMES)
+        assert np.array_equal(params["shN"], arrays["shN"])
+
+
+def test_compression_only_where_it_pays(tmp_path: Path, garden: dict) -> None:
+    key, (arrays, cell) = next(iter(garden.items()))
+    fresh = {**arrays, "exp_avg_shN": np.zeros_like(arrays["exp_avg_shN"])}
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 3})
+    store.commit({key: store.write_block(key, fresh, cell)})
+    version = zarr.open_group(tmp_path / "s.zarr", mode="r")[f"blocks/{key}/0"]
+    names = {name: [type(c).__name__ for c in version[name].compressors] for name in ("exp_avg_shN", "exp_avg_means", "means")}
+    assert names == {"exp_avg_shN": ["BloscCodec", "Crc32cCodec"], "exp_avg_means": ["Crc32cCodec"], "means": ["Crc32cCodec"]}
+    assert block_digest(store.read_block(key), 3) == block_digest(fresh, 3)
+
+
+def test_a_codec_chain_it_did_not_write_reads_through_zarrs_pipeline(tmp_path: Path) -> None:
+    """Arrays rewritten by plain zarr with gzip (not a chain the direct decoder knows) still read."""
+    root = tmp_path / "s.zarr"
+    rng = np.random.default_rng(8)
+    store = Store.create(root, {"sh_degree": 1}, codec=CodecConfig(chunk_mb=0.01))
+    arrays = random_block(rng, 300, 1)
+    store.commit({"1-0": store.write_block("1-0", arrays, CELL)})
+    group = zarr.open_group(root / "blocks" / "1-0" / "0", mode="r+")
+    members = {}
+    for name, a in arrays.items():
+        group.create_array(name, data=a, chunks=(128, *a.shape[1:]), compressors=[GzipCodec()], overwrite=True)
+        members[name] = json.loads((root / "blocks" / "1-0" / "0" / name / "zarr.json").read_text())
+    doc = json.loads((root / "blocks" / "1-0" / "0" / "zarr.json").read_text())
+    doc["consolidated_metadata"]["metadata"] = members
+    (root / "blocks" / "1-0" / "0" / "zarr.json").write_text(json.dumps(doc))
+    got = Store.open(root, verify="data").read_block("1-0")
+    assert block_digest(got, 1) == block_digest(arrays, 1)
+
+
+def test_plain_zarr_reads_the_store(tmp_path: Path, garden: dict) -> None:
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 3, "octree": {"max_per_block": 1000}})
+    key = next(iter(garden))
+    info = store.write_block(key, *garden[key])
+    g = store.commit({key: info}, state={"rng": "abc"})
+    root = zarr.open_group(tmp_path / "s.zarr", mode="r")
+    assert root.attrs["head"] == g and root.attrs["sh_degree"] == 3 and root.attrs["octree"] == {"max_per_block": 1000}
+    table = root[f"commits/{g}"].attrs["blocks"]
+    assert [BlockInfo.from_json(e) for e in table] == [info]
+    means = root[f"blocks/{key}/{info.version}/means"][...]
+    assert np.array_equal(means, garden[key][0]["means"])
+    assert root[f"blocks/{key}/{info.version}/means"].compressors  # compressed, as configured
+    assert "blocks" in dict(root.groups()) and "commits" in dict(root.groups())
+
+
+def test_commit_applies_updates_and_removals_and_keeps_state(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 0}, durable=False)
+    blocks = {f"2-{i:x}": random_block(rng, 10 + i, 0) for i in range(4)}
+    assert store.commit({k: store.write_block(k, a, CELL) for k, a in blocks.items()}, state={"step": 1}) == 0
+    new = random_block(rng, 5, 0)
+    g = store.commit({"2-1": store.write_block("2-1", new, CELL)}, removed=["2-3"])
+    assert g == 1 and store.state == {"step": 1}  # state carried over when not given
+    blocks["2-1"] = new
+    del blocks["2-3"]
+    reopened = Store.open(tmp_path / "s.zarr")
+    assert reopened.head == 1 and set(reopened.table) == set(blocks)
+    assert reopened.table["2-0"].version == 0 and reopened.table["2-1"].version == 1
+    for k, a in blocks.items():
+        assert block_digest(reopened.read_block(k), 0) == block_digest(a, 0)
+    with pytest.raises(BlockNotFoundError, match="2-3"):
+        reopened.read_block("2-3")
+    with pytest.raises(BlockNotFoundError, match="2-7"):
+        reopened.commit({}, removed=["2-7"])
+    with pytest.raises(CommitStateError):
+        reopened.commit({}, state={"x": float("nan")})
+
+
+def test_gc_removes_exactly_the_dead_versions(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    root = tmp_path / "s.zarr"
+    store = Store.create(root, {"sh_degree": 0}, keep_commits=2, durable=False)
+    keys = [f"3-{i:x}" for i in range(6)]
+    history = []  # the table (key -> version) of every generation, kept independently of the store
+    digests = {}  # (key, version) -> digest of what was written
+    table: dict[str, int] = {}
+    for step in range(6):
+        updated = {}
+        for k in rng.choice(keys, size=3, replace=False):
+            arrays = random_block(rng, 4, 0)
+            updated[k] = store.write_block(k, arrays, CELL)
+            digests[k, updated[k].version] = block_digest(arrays, 0)
+        # A version written and then abandoned (e.g. a block evicted, then emptied): never committed.
+        store.write_block("4-0", random_block(rng, 3, 0), CELL)
+        removed = [k for k in table if k not in updated][:1] if step % 2 else []
+        store.commit(updated, removed)
+        table = {k: v for k, v in table.items() if k not in removed} | {k: i.version for k, i in updated.items()}
+        history.append(dict(table))
+        live = {(k, v) for t in history[-2:] for k, v in t.items()}
+        assert on_disk_versions(root) == live, step
+        assert sorted(int(p.name) for p in (root / "commits").iterdir() if p.is_dir()) == list(
+            range(max(0, step - 1), step + 1)
+        )
+    reopened = Store.open(root, verify="data")
+    assert {k: i.version for k, i in reopened.table.items()} == history[-1]
+    for k, info in reopened.table.items():
+        assert block_digest(reopened.read_block(k), 0) == digests[k, info.version]
+    # The previous commit's versions are still whole: a rank that has not refreshed yet reads them.
+    for k, v in history[-2].items():
+        old = BlockInfo(k, v, 4, CELL, CELL, CELL)
+        assert block_digest(reopened.read_block(k, old), 0) == digests[k, v]
+
+
+def test_open_after_crash_removes_what_no_commit_names(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    root = tmp_path / "s.zarr"
+    store = Store.create(root, {"sh_degree": 0})
+    store.commit({"1-0": store.write_block("1-0", random_block(rng, 5, 0), CELL)})
+    # What a crash mid-step leaves: a written version no commit names, a commit document written
+    # but never made HEAD, and a temp file of an interrupted atomic write.
+    store.write_block("1-1", random_block(rng, 5, 0), CELL)
+    store.write_block("1-0", random_block(rng, 5, 0), CELL)
+    (root / "commits" / "1").mkdir()
+    (root / "commits" / "1" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {}}')
+    (root / f"zarr.{uuid.uuid4().hex}.partial").write_text("half")
+    (root / "blocks" / "not-a-key").mkdir()  # not ours: left alone
+    assert Store.open(root, mode="r").head == 0
+    assert on_disk_versions(root) == {("1-0", 0), ("1-0", 1), ("1-1", 1)}  # a reader deletes nothing
+    reopened = Store.open(root)
+    assert reopened.head == 0
+    assert on_disk_versions(root) == {("1-0", 0)}
+    assert not (root / "blocks" / "1-1").exists() and not (root / "commits" / "1").exists()
+    assert not list(root.glob("*.partial")) and (root / "blocks" / "not-a-key").is_dir()
+    # A rank that must not collect (another rank may be writing) leaves uncommitted versions be.
+    reopened.write_block("1-2", random_block(rng, 5, 0), CELL)
+    Store.open(root, gc=False)
+    assert ("1-2", 1) in on_disk_versions(root)
+
+
+@pytest.mark.parametrize("make", [MemoryStore, lambda: f"memory://octosplat-{uuid.uuid4().hex}"], ids=["memory", "fsspec"])
+def test_other_zarr_stores_take_the_same_path(make) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(4)
+    target = make()
+    store = Store.create(target, {"sh_degree": 1}, keep_commits=1)
+    a, b = random_block(rng, 50, 1), random_block(rng, 70, 1)
+    store.commit({"1-0": store.write_block("1-0", a, CELL), "1-1": store.write_block("1-1", a, CELL)})
+    store.write_block("1-2", b, CELL)  # uncommitted, removed by the next writable open
+    store.commit({"1-1": store.write_block("1-1", b, CELL)})
+    reopened = Store.open(target, verify="data")
+    assert reopened.head == 1 and set(reopened.table) == {"1-0", "1-1"}
+    assert block_digest(reopened.read_block("1-0"), 1) == block_digest(a, 1)
+    assert block_digest(reopened.read_block("1-1"), 1) == block_digest(b, 1)
+    names = set(reopened._backend.list_dir("blocks"))
+    assert "1-2" not in names
+    assert reopened._backend.list_dir("blocks/1-1") and set(reopened._backend.list_dir("blocks/1-1")) == {"zarr.json", "1"}
+
+
+def test_write_block_refuses_bad_input(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 1})
+    good = random_block(rng, 8, 1)
+    for key in ("../etc", "1-9", "22-0", "1-0/x", ""):
+        with pytest.raises(StoreKeyError, match="block key|outside"):
+            store.write_block(key, good, CELL)
+    cases = {
+        "NaN": {**good, "means": np.where(np.eye(8, 3, dtype=bool), np.nan, good["means"]).astype(np.float32)},
+        "inf": {**good, "exp_avg_sq_quats": np.full((8, 4), np.inf, np.float32)},
+        "dtype": {**good, "opacities": good["opacities"].astype(np.float64)},
+        "shape": {**good, "shN": np.zeros((8, 15, 3), np.float32)},
+        "missing": {k: v for k, v in good.items() if k != "grad2d"},
+        "row count": {**good, "count": good["count"][:5]},
+        "empty": {k: v[:0] for k, v in good.items()},
+    }
+    for arrays in cases.values():
+        with pytest.raises(BlockDataError, match="block 1-0"):
+            store.write_block("1-0", arrays, CELL)
+    with pytest.raises(BlockDataError, match="cell box"):
+        store.write_block("1-0", good, (0, 0, 0, 1, 1))
+    assert not (tmp_path / "s.zarr" / "blocks" / "1-0").exists()  # nothing half-written
+
+
+def test_create_and_open_refuse_what_they_must(tmp_path: Path) -> None:
+    root = tmp_path / "s.zarr"
+    Store.create(root, {"sh_degree": 0})
+    with pytest.raises(StoreExistsError):
+        Store.create(root, {"sh_degree": 0})
+    assert Store.create(root, {"sh_degree": 2}, overwrite=True).sh_degree == 2
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("keep me")
+    with pytest.raises(StoreExistsError, match="not an OctoSplat store"):
+        Store.create(tmp_path / "other", {"sh_degree": 0}, overwrite=True)
+    assert (tmp_path / "other" / "precious.txt").exists()
+    with pytest.raises(StoreFormatError, match="sh_degree"):
+        Store.create(tmp_path / "x", {})
+    with pytest.raises(StoreFormatError, match="reserved"):
+        Store.create(tmp_path / "y", {"sh_degree": 0, "head": 3})
+    with pytest.raises(StoreFormatError, match="no store"):
+        Store.open(tmp_path / "missing")
+    ro = Store.open(root, mode="r")
+    with pytest.raises(StoreError, match="read-only"):
+        ro.write_block("1-0", random_block(np.random.default_rng(0), 2, 2), CELL)
+
+
+def test_a_stale_view_cannot_overwrite_a_committed_version(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    root = tmp_path / "s.zarr"
+    Store.create(root, {"sh_degree": 0})
+    rank0, rank1 = Store.open(root), Store.open(root, gc=False)
+    rank0.commit({"1-0": rank0.write_block("1-0", random_block(rng, 4, 0), CELL)})
+    with pytest.raises(CommitProtocolError, match="refresh"):
+        rank1.write_block("1-1", random_block(rng, 4, 0), CELL)
+    rank1.refresh()
+    assert rank1.head == 0 and rank1.next_version == 1
+    info = rank1.write_block("1-1", random_block(rng, 4, 0), CELL)
+    with pytest.raises(CommitProtocolError, match="neither new"):
+        rank0.commit({"1-1": BlockInfo(**{**info.__dict__, "version": 0})})
+    assert rank0.commit({"1-1": info}) == 1
+
+
+def test_durable_local_writes_leave_no_temp_files(tmp_path: Path) -> None:
+    root = tmp_path / "s.zarr"
+    store = Store.create(root, {"sh_degree": 0}, durable=True)
+    store.commit({"1-0": store.write_block("1-0", random_block(np.random.default_rng(7), 4, 0), CELL)})
+    leftovers = [p for p in root.rglob("*") if p.name.endswith(".partial")]
+    assert leftovers == [] and sorted(os.listdir(root / "commits")) == ["0", "zarr.json"]
