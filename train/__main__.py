@@ -1,0 +1,69 @@
+"""`python -m train --data DATA --store STORE [options]`; under `mpirun -n R`, one rank per process."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from storage import StoreError
+from train.config import parse_config
+from train.data import DatasetError
+from train.trainer import TrainError, run
+
+_EXPECTED = (TrainError, DatasetError, StoreError)
+
+
+def launched_ranks() -> int:
+    """Ranks of the MPI job that started us (1 outside mpirun), read before MPI is initialised."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    if launched_ranks() > 1:
+        return _main_mpi(cfg)
+    try:
+        summary = run(cfg)
+    except _EXPECTED as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: the store keeps its last commit", file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _main_mpi(cfg) -> int:
+    import numba
+    import torch
+    from mpi4py import MPI
+
+    from train.mpi import MPIExchange
+
+    # R ranks share the machine's cores: one thread each, or they fight over every core.
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    try:
+        summary = run(cfg, MPIExchange(comm))
+    except BaseException as e:  # noqa: BLE001 - any failure must take every rank down, never hang
+        what = f"error: {e}" if isinstance(e, _EXPECTED) else f"error: {type(e).__name__}: {e}"
+        print(f"rank {comm.Get_rank()}: {what}", file=sys.stderr, flush=True)
+        if not isinstance(e, (*_EXPECTED, KeyboardInterrupt)):
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        comm.Abort(130 if isinstance(e, KeyboardInterrupt) else 1)
+        return 1
+    if comm.Get_rank() == 0:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""How splats reach the rank that renders their camera, and how their gradients come back.
+
+The step is written against `Exchange`; one rank uses `LocalExchange`, where nothing ever
+leaves the process, so single-process runs take exactly the code path of distributed ones.
+Every rank calls every method in the same order every step, also with nothing to send.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+from torch import Tensor
+
+from train.render import Splats2D
+
+# camera index -> [(source rank, splats whose differentiable fields are leaves)]
+Incoming = dict[int, list[tuple[int, Splats2D]]]
+
+
+class Exchange(Protocol):
+    rank: int
+    size: int
+
+    def send_splats(
+        self,
+        outgoing: dict[tuple[int, int], Splats2D],  # (dest rank, camera index) -> splats (sent packed)
+        n_cameras: int,
+    ) -> Incoming: ...
+
+    def return_grads(
+        self,
+        incoming: Incoming,  # what send_splats returned, after backward filled the leaves' grads
+        contributed: dict[tuple[int, int], Tensor],  # (source rank, camera) -> [M] bool
+    ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:  # (dest, camera) -> (grads [M, 9], contributed [M])
+        ...
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if any rank passed True."""
+        ...
+
+    def sum(self, values: Tensor) -> Tensor:  # [K] float64, summed over ranks
+        ...
+
+    def gather_rows(self, row: np.ndarray) -> np.ndarray:  # [K] -> [R, K], on every rank
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Small control data (commit tables) to rank 0; None elsewhere. Not for the hot path."""
+        ...
+
+    def broadcast(self, obj: Any) -> Any: ...
+
+    def barrier(self) -> None: ...
+
+
+class LocalExchange:
+    """One rank: every camera is rendered where its splats were projected."""
+
+    rank = 0
+    size = 1
+    bytes_sent = 0
+    bytes_received = 0
+
+    def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int) -> Incoming:
+        if outgoing:
+            raise RuntimeError("a single rank has no other rank to send splats to")
+        return {}
+
+    def return_grads(
+        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor]
+    ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+        return {}
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def sum(self, values: Tensor) -> Tensor:
+        return values.clone()
+
+    def gather_rows(self, row: np.ndarray) -> np.ndarray:
+        return np.asarray(row)[None]
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        pass

@@ -1,0 +1,39 @@
+"""The blocks one rank owns, with the boxes that culling needs, in Morton order."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from octree.cull import frustum_cull
+from octree.keys import parse_key
+from train.camera import Camera
+
+
+@dataclass
+class Region:
+    keys: list[str]  # owned block keys in Morton order
+    extents: np.ndarray  # [B, 6] extent boxes (x0, y0, z0, x1, y1, z1)
+    counts: np.ndarray  # [B] Gaussians per block
+
+    @classmethod
+    def from_table(cls, table: dict, keys: list[str] | None = None) -> "Region":
+        """table: store.table (key -> BlockInfo); keys: the owned subset (default all)."""
+        chosen = list(table) if keys is None else list(keys)
+        chosen.sort(key=lambda k: parse_key(k).morton_rank())
+        extents = np.array([table[k].extent for k in chosen], dtype=np.float64).reshape(-1, 6)
+        counts = np.array([table[k].count for k in chosen], dtype=np.int64)
+        return cls(chosen, extents, counts)
+
+    def update_extents(self, extents: dict[str, tuple]) -> None:
+        """Training moves and grows Gaussians: culling must use each block's current extent."""
+        index = {k: i for i, k in enumerate(self.keys)}
+        for k, box in extents.items():
+            self.extents[index[k]] = box
+
+    def visible(self, camera: Camera) -> list[str]:
+        """Owned blocks whose extent box meets the camera's frustum, in Morton order."""
+        if not self.keys:
+            return []
+        mask = frustum_cull(self.extents, camera.viewmat, camera.K, camera.width, camera.height)
+        return [k for k, m in zip(self.keys, mask) if m]

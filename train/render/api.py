@@ -1,0 +1,109 @@
+"""`project`, `rasterize` and `render = rasterize . project`, checked and dispatched to a backend.
+
+"cpu": numba kernels for projection and rasterization behind torch autograd (CPU tensors).
+"cuda": gsplat's CUDA kernels (CUDA tensors). Both give the same Splats2D and RasterOutput.
+"""
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from train.camera import Camera
+from train.render.cpu.function import rasterize_cpu
+from train.render.cpu.projection import project_cpu
+from train.render.errors import RenderError
+from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
+from train.render.splats2d import RasterOutput, Splats2D
+
+Backend = Literal["cpu", "cuda"]
+BACKENDS = ("cpu", "cuda")
+SPLAT_KEYS = ("means", "scales", "quats", "opacities", "sh0", "shN")
+
+
+def check_splats(splats: dict[str, Tensor], sh_degree: int) -> None:
+    """Raise RenderError unless `splats` has gsplat's names, shapes and enough SH coefficients."""
+    missing = [k for k in SPLAT_KEYS if k not in splats]
+    if missing:
+        raise RenderError(f"splats: missing {', '.join(missing)} (need {', '.join(SPLAT_KEYS)})")
+    n = splats["means"].shape[0]
+    k = splats["shN"].shape[1] if splats["shN"].ndim == 3 else -1
+    expected = {"means": (n, 3), "scales": (n, 3), "quats": (n, 4), "opacities": (n,), "sh0": (n, 1, 3),
+                "shN": (n, k, 3)}
+    device = splats["means"].device
+    for name, shape in expected.items():
+        t = splats[name]
+        if tuple(t.shape) != shape:
+            raise RenderError(f"splats['{name}']: shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != torch.float32:
+            raise RenderError(f"splats['{name}']: dtype {t.dtype}, expected float32")
+        if t.device != device:
+            raise RenderError(f"splats['{name}']: on {t.device}, means on {device}")
+        if not bool(torch.isfinite(t).all()):
+            raise RenderError(f"splats['{name}']: contains NaN or inf")
+    if not 0 <= sh_degree <= MAX_SH_DEGREE:
+        raise RenderError(f"sh_degree {sh_degree}: must be in 0..{MAX_SH_DEGREE}")
+    if num_sh_bases(sh_degree) - 1 > k:
+        raise RenderError(f"sh_degree {sh_degree} needs {num_sh_bases(sh_degree) - 1} shN coefficients, "
+                          f"splats['shN'] has {k}")
+
+
+def _check_backend(backend: str, device: torch.device, what: str) -> None:
+    if backend not in BACKENDS:
+        raise RenderError(f"unknown render backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    if backend == "cuda" and device.type != "cuda":
+        raise RenderError(f"backend 'cuda' needs {what} on a CUDA device, got {device}")
+
+
+def _background(background: Tensor | Sequence[float] | None, device: torch.device) -> Tensor:  # [3]
+    if background is None:
+        return torch.zeros(3, dtype=torch.float32, device=device)
+    bg = torch.as_tensor(background, dtype=torch.float32).detach().to(device)
+    if bg.shape != (3,):
+        raise RenderError(f"background: shape {tuple(bg.shape)}, expected [3]")
+    return bg
+
+
+def project(splats: dict[str, Tensor], camera: Camera, sh_degree: int, backend: Backend = "cpu") -> Splats2D:
+    """The splats that land in `camera`'s image, differentiable w.r.t. every splat parameter;
+    `ids` are their rows in `splats`."""
+    check_splats(splats, sh_degree)
+    device = splats["means"].device
+    _check_backend(backend, device, "the splats")
+    if backend == "cuda":
+        from train.render.cuda import project_cuda  # importing gsplat takes seconds; CPU runs skip it
+
+        return project_cuda(splats, camera, sh_degree)
+    if device.type != "cpu":
+        raise RenderError(f"backend 'cpu' projects CPU tensors, got splats on {device}")
+    return project_cpu(splats, camera, sh_degree)
+
+
+def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[float] | None = None,
+              backend: Backend = "cpu") -> RasterOutput:
+    """Composite `splats2d` front to back into camera's image; differentiable w.r.t. means2d,
+    conics, opacities and colors. background: [3] or None (black)."""
+    device = splats2d.means2d.device
+    _check_backend(backend, device, "the splats")
+    splats2d.check()
+    bg = _background(background, device)
+    if backend == "cuda":
+        from train.render.cuda import rasterize_cuda  # importing gsplat takes seconds; CPU runs skip it
+
+        return rasterize_cuda(splats2d, camera.width, camera.height, bg)
+    if device.type != "cpu":
+        raise RenderError(f"backend 'cpu' rasterizes CPU tensors, got splats on {device}")
+    return rasterize_cpu(splats2d, camera.width, camera.height, bg)
+
+
+def render(splats: dict[str, Tensor], camera: Camera, sh_degree: int,
+           background: Tensor | Sequence[float] | None = None,
+           backend: Backend = "cpu") -> tuple[Tensor, Tensor, dict]:
+    """rgb [H, W, 3], alpha [H, W, 1] and meta: means2d [M, 2] (its .grad is filled by backward),
+    radii [M, 2], ids [M], contributed [M], sat_depth [H, W], and the Splats2D itself as splats2d."""
+    splats2d = project(splats, camera, sh_degree, backend)
+    out = rasterize(splats2d, camera, background, backend)
+    meta = {"means2d": splats2d.means2d, "radii": splats2d.radii, "ids": splats2d.ids,
+            "contributed": out.contributed, "sat_depth": out.sat_depth, "splats2d": splats2d}
+    return out.rgb, out.alpha, meta

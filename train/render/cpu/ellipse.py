@@ -1,0 +1,92 @@
+"""Where a splat can matter: the ellipse sigma <= ln(255 * opacity), outside which alpha < 1/255.
+
+Binning (which tiles) and the kernels (which rows and columns of a tile) both use it, so a splat
+is evaluated only at pixels where it may pass the alpha test; the per-pixel test stays the authority,
+and every bound here is widened a little so float rounding can never drop a pixel that passes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from train.render.semantics import ALPHA_MIN
+
+# Columns of the per-splat record the kernels gather per tile (float32, one 64-byte row a splat).
+MX, MY, CA, CB, CC, OPACITY, RED, GREEN, BLUE, DEPTH, LEVEL, HALF_X, HALF_Y, INV_A, INV_C = range(15)
+RECORD = 16
+DEGENERATE = np.float32(1e30)  # HALF_Y of a splat whose conic is not positive definite: no bound
+_WIDEN_REL, _WIDEN_ABS = 1e-3, 1e-3
+_ALPHA_MIN32 = np.float32(ALPHA_MIN)
+SPAN_EPS = np.float32(1e-3)  # pixels added to each end of a row or column span
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def splat_records(means2d, conics, opacities, colors, depths):  # [M,2],[M,3],[M],[M,3],[M] -> [M,16]
+    """One contiguous record a splat: the inputs plus its support ellipse in the forms the kernels use."""
+    m = means2d.shape[0]
+    rec = np.zeros((m, RECORD), np.float32)
+    for g in prange(m):
+        a, b, c, o = conics[g, 0], conics[g, 1], conics[g, 2], opacities[g]
+        rec[g, MX], rec[g, MY] = means2d[g, 0], means2d[g, 1]
+        rec[g, CA], rec[g, CB], rec[g, CC], rec[g, OPACITY] = a, b, c, o
+        rec[g, RED], rec[g, GREEN], rec[g, BLUE] = colors[g, 0], colors[g, 1], colors[g, 2]
+        rec[g, DEPTH] = depths[g]
+        if o < _ALPHA_MIN32:
+            rec[g, LEVEL] = -1.0  # no pixel can pass the alpha test
+            rec[g, HALF_X] = -1.0
+            rec[g, HALF_Y] = -1.0
+            continue
+        level = math.log(255.0 * o) * (1.0 + _WIDEN_REL) + _WIDEN_ABS
+        rec[g, LEVEL] = level
+        det = float(a) * float(c) - float(b) * float(b)
+        if a > 0.0 and det > 0.0:
+            # Half extents of the ellipse, sqrt(2 L Sigma_xx) and sqrt(2 L Sigma_yy), Sigma = conic^-1.
+            rec[g, HALF_X] = math.sqrt(2.0 * level * c / det)
+            rec[g, HALF_Y] = math.sqrt(2.0 * level * a / det)
+            rec[g, INV_A], rec[g, INV_C] = 1.0 / a, 1.0 / c
+        else:
+            rec[g, HALF_X] = DEGENERATE
+            rec[g, HALF_Y] = DEGENERATE
+    return rec
+
+
+@njit(inline="always")
+def _edge_min(a, b, c, inv_a, v, lo, hi):
+    """min over u in [lo, hi] of 0.5 a u^2 + b u v + 0.5 c v^2 (a > 0)."""
+    u = min(max(-b * v * inv_a, lo), hi)
+    return 0.5 * (a * u * u + c * v * v) + b * u * v
+
+
+@njit(inline="always")
+def hits_rect(mx, my, a, b, c, inv_a, inv_c, level, px0, px1, py0, py1):
+    """Whether the ellipse 0.5 a dx^2 + b dx dy + 0.5 c dy^2 <= level around (mx, my), a and c > 0,
+    reaches a pixel centre in [px0, px1] x [py0, py1]."""
+    dx0, dx1 = mx - px1, mx - px0  # d = mean - pixel, as in the alpha formula
+    dy0, dy1 = my - py1, my - py0
+    if dx0 <= 0.0 <= dx1 and dy0 <= 0.0 <= dy1:
+        return True
+    # A convex quadratic's minimum over a rectangle not holding its centre lies on an edge.
+    q = min(min(_edge_min(a, b, c, inv_a, dy0, dx0, dx1), _edge_min(a, b, c, inv_a, dy1, dx0, dx1)),
+            min(_edge_min(c, b, a, inv_c, dx0, dy0, dy1), _edge_min(c, b, a, inv_c, dx1, dy0, dy1)))
+    return q <= level
+
+
+@njit(inline="always", fastmath=True)
+def _span(centre, half, n):
+    """Pixels [a, b) of 0..n-1 whose centres i + 0.5 lie within centre +- half."""
+    if half >= DEGENERATE:
+        return 0, n
+    a = max(0, int(np.ceil(centre - half - np.float32(0.5) - SPAN_EPS)))
+    b = min(n, int(np.floor(centre + half - np.float32(0.5) + SPAN_EPS)) + 1)
+    return a, b
+
+
+@njit(inline="always", fastmath=True)
+def tile_box(rec, mx_local, my_local, w, h):
+    """The pixels [xa, xb) x [ya, yb) of a w x h tile (mean in tile coordinates) inside the
+    ellipse's bounding box."""
+    xa, xb = _span(mx_local, rec[HALF_X], w)
+    ya, yb = _span(my_local, rec[HALF_Y], h)
+    return xa, xb, ya, yb

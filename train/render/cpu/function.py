@@ -1,0 +1,63 @@
+"""The CPU rasterizer as a torch autograd Function over the numba kernels."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from train.render.cpu import kernels
+from train.render.cpu.binning import bin_tiles
+from train.render.cpu.ellipse import splat_records
+from train.render.splats2d import RasterOutput, Splats2D, unpack_grads
+
+# Tiles differ in cost by orders of magnitude (sky vs foliage): hand them out one at a time.
+_TILES_PER_CHUNK = 1
+
+
+def _array(t: Tensor) -> np.ndarray:
+    """A float32 C-contiguous numpy view of a CPU tensor (a copy only if it is not one already)."""
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
+class _Rasterize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, means2d: Tensor, conics: Tensor, opacities: Tensor, colors: Tensor,
+                depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor):
+        records = splat_records(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths))
+        bins = bin_tiles(records, radii.detach().to(torch.int32).contiguous().numpy(), width, height)
+        bg = _array(background)
+        rgb = np.empty((height, width, 3), np.float32)
+        t_final = np.empty((height, width), np.float32)
+        stop = np.empty((height, width), np.int32)
+        sat_depth = np.full((height, width), np.inf, np.float32)
+        tile_end = np.empty(bins.tiles_x * bins.tiles_y, np.int32)
+        contributed = np.zeros(len(records), np.uint8)
+        with numba.parallel_chunksize(_TILES_PER_CHUNK):
+            kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x,
+                            rgb, t_final, stop, sat_depth, tile_end, contributed)
+        ctx.state = (records, bins, bg, t_final, stop, tile_end, width, height)
+        contributed_t = torch.from_numpy(contributed).to(torch.bool)
+        sat_t = torch.from_numpy(sat_depth)
+        ctx.mark_non_differentiable(contributed_t, sat_t)
+        alpha = torch.from_numpy(1.0 - t_final)[..., None]
+        return torch.from_numpy(rgb), alpha, contributed_t, sat_t
+
+    @staticmethod
+    def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
+        records, bins, bg, t_final, stop, tile_end, width, height = ctx.state
+        grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
+        with numba.parallel_chunksize(_TILES_PER_CHUNK):
+            kernels.backward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x,
+                             t_final, stop, tile_end, _array(v_rgb), _array(v_alpha[..., 0]), grads)
+        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order, len(records))
+        per_splat = torch.from_numpy(per_splat)
+        return (*unpack_grads(per_splat), None, None, None, None, None)
+
+
+def rasterize_cpu(splats: Splats2D, width: int, height: int, background: Tensor) -> RasterOutput:
+    """background: [3] float32 on the CPU."""
+    rgb, alpha, contributed, sat_depth = _Rasterize.apply(
+        splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths, splats.radii,
+        width, height, background)
+    return RasterOutput(rgb, alpha, contributed, sat_depth)

@@ -1,0 +1,248 @@
+"""One training step, structured as in docs/architecture.md §6.
+
+Owners project the Gaussians of their visible blocks into every camera of the step; splats for
+cameras rendered elsewhere travel through the `Exchange`; each camera's rank rasterizes the union
+(local splats first in owner-rank order, so the image equals a single process's), computes the
+loss and backpropagates; gradients of travelled splats return to their owners, who backpropagate
+through their projections. Owners then step sparse Adam on the rows that contributed to a pixel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from octree.bounds import extent_box
+from storage.schema import PARAM_NAMES
+from train.camera import Camera
+from train.exchange import Exchange
+from train.losses import photometric_loss, psnr
+from train.optim import AdamConfig, sparse_adam_step
+from train.region import Region
+from train.render import RasterOutput, Splats2D, pack_grads, project, rasterize
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0  # mean over this rank's cameras
+    psnr: float = 0.0
+    skipped: bool = False  # a non-finite loss or gradient somewhere: no parameter changed
+    blocks: int = 0  # blocks paged in for the step
+    projected: int = 0  # splats this rank projected (all cameras)
+    local: int = 0  # splats this rank rasterized that it owns
+    received: int = 0  # splats this rank rasterized that another rank owns
+    contributed: int = 0  # owned Gaussians stepped by Adam
+    extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every stepped block
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Gathered:
+    """The owned Gaussians visible to some camera of the step, as one differentiable batch."""
+
+    keys: list[str]  # block keys in Morton order
+    offsets: list[int]  # start row of each block in the batch; offsets[-1] == total rows
+    params: dict[str, Tensor]  # name -> leaf tensor [N, ...] requiring grad
+
+    def rows_of(self, keys: list[str]) -> Tensor:  # [n] int64 rows of these blocks in the batch
+        index = {k: i for i, k in enumerate(self.keys)}
+        parts = [torch.arange(self.offsets[index[k]], self.offsets[index[k] + 1]) for k in keys]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool) -> Gathered:
+    offsets = [0]
+    for k in keys:
+        offsets.append(offsets[-1] + int(blocks[k]["means"].shape[0]))
+    params = {}
+    for name in PARAM_NAMES:
+        t = torch.cat([blocks[k][name] for k in keys]) if keys else torch.zeros(0)
+        params[name] = t.detach().requires_grad_(requires_grad)
+    return Gathered(keys, offsets, params)
+
+
+def project_owned(
+    gathered: Gathered,
+    visible: list[list[str]],  # per camera of the step: owned visible block keys
+    cameras: list[Camera],
+    sh_degree: int,
+    backend: str,
+) -> tuple[dict[int, Splats2D], dict[int, Tensor]]:
+    """Per camera: its splats (ids are rows of the gathered batch) and nothing for unseen cameras."""
+    out: dict[int, Splats2D] = {}
+    rows: dict[int, Tensor] = {}
+    for i, (cam, keys) in enumerate(zip(cameras, visible)):
+        if not keys:
+            continue
+        r = gathered.rows_of(keys)
+        splats = {name: p[r] for name, p in gathered.params.items()}
+        s2d = project(splats, cam, sh_degree, backend=backend)
+        s2d.ids = r[s2d.ids]
+        out[i] = s2d
+        rows[i] = r
+    return out, rows
+
+
+def accumulate_stats(
+    stats: dict[str, Tensor],  # grad2d [N], count [N], max_radii [N] over the gathered batch
+    s2d: Splats2D,
+    camera: Camera,
+    grad_means2d: Tensor,  # [M, 2]
+    n_cameras: int,
+) -> None:
+    """gsplat DefaultStrategy's statistics: 2D gradient norm in NDC-like units, visibility, radius."""
+    scale = torch.tensor([camera.width / 2.0 * n_cameras, camera.height / 2.0 * n_cameras])
+    g = (grad_means2d * scale).norm(dim=-1)
+    stats["grad2d"].index_add_(0, s2d.ids, g)
+    stats["count"].index_add_(0, s2d.ids, torch.ones_like(s2d.ids, dtype=stats["count"].dtype))
+    r = s2d.radii.max(dim=-1).values.to(torch.float32) / float(max(camera.width, camera.height))
+    stats["max_radii"].scatter_reduce_(0, s2d.ids, r, reduce="amax")
+
+
+def _parts_for_camera(
+    i: int, rank: int, kept: dict[int, Splats2D], incoming: dict[int, list[tuple[int, Splats2D]]]
+) -> tuple[list[tuple[int, Splats2D]], Splats2D]:
+    """Camera i's splats as (source rank, splats) in rank order, and their union: owner order is
+    Morton order, so the union is the batch a single process would rasterize."""
+    parts = list(incoming.get(i, []))
+    if i in kept:
+        parts.append((rank, kept[i]))
+    parts.sort(key=lambda p: p[0])
+    return parts, (Splats2D.cat([p for _, p in parts]) if parts else Splats2D.empty())
+
+
+def _split_by_parts(values: Tensor, parts: list[tuple[int, Splats2D]]) -> list[Tensor]:
+    return list(torch.split(values, [len(p) for _, p in parts]))
+
+
+def train_step(
+    cameras: list[Camera],  # the step's global batch; every rank knows all of them
+    cam_rank: list[int],  # rank that renders each camera
+    images: dict[int, Tensor],  # camera index -> ground truth [H, W, 3], for cameras this rank renders
+    region: Region,
+    cache,  # storage.BlockCache
+    exchange: Exchange,
+    sh_degree: int,
+    lrs: dict[str, float],
+    adam: AdamConfig,
+    background: Tensor,  # [3]
+    backend: str = "cpu",
+) -> StepStats:
+    stats = StepStats()
+    rank, n_cams = exchange.rank, len(cameras)
+    visible = [region.visible(c) for c in cameras]
+    keys = [k for k in region.keys if any(k in v for v in visible)]  # Morton order
+    stats.blocks = len(keys)
+    cache.pin(keys)
+    try:
+        blocks = {k: cache.get(k).tensors for k in keys}
+        g = gather(blocks, keys, requires_grad=True)
+        owned, _ = project_owned(g, visible, cameras, sh_degree, backend)
+        for s in owned.values():
+            s.means2d.retain_grad()
+        stats.projected = sum(len(s) for s in owned.values())
+
+        outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
+        incoming = exchange.send_splats(outgoing, n_cams)
+        # Own splats cross the same boundary as received ones (leaves whose gradients are handed
+        # back), so each owner backpropagates its projections in camera order, whoever rendered
+        # them: gradient sums, hence parameters, come out the same for any number of ranks.
+        kept = {i: Splats2D.unpack(s.pack(), ids=s.ids) for i, s in owned.items() if cam_rank[i] == rank}
+
+        n = g.offsets[-1]
+        contributed = torch.zeros(n, dtype=torch.bool)
+        flags_of: dict[tuple[int, int], Tensor] = {}  # (source rank, camera) -> [M] contributed
+        losses, psnrs = [], []
+        for i in (i for i in range(n_cams) if cam_rank[i] == rank):
+            parts, s = _parts_for_camera(i, rank, kept, incoming)
+            out = rasterize(s, cameras[i], background, backend=backend)
+            loss = photometric_loss(out.rgb, images[i])
+            (loss / n_cams).backward()
+            losses.append(loss.detach())
+            psnrs.append(psnr(out.rgb, images[i]))
+            for (src, part), flags in zip(parts, _split_by_parts(out.contributed, parts)):
+                flags_of[(src, i)] = flags
+            stats.local += sum(len(p) for src, p in parts if src == rank)
+            stats.received += sum(len(p) for src, p in parts if src != rank)
+
+        remote_flags = {key: f for key, f in flags_of.items() if key[0] != rank}
+        back = {i: v for (_, i), v in exchange.return_grads(incoming, remote_flags).items()}
+        back.update({i: (pack_grads(leaf), flags_of[(rank, i)]) for i, leaf in kept.items()})
+        for i in sorted(back):
+            grads, flags = back[i]
+            owned[i].backward(grads)
+            contributed[owned[i].ids[flags]] = True
+
+        finite = all(torch.isfinite(l).all() for l in losses)
+        for p in g.params.values():
+            if p.grad is not None and not torch.isfinite(p.grad[contributed]).all():
+                finite = False
+        if exchange.any(not finite):
+            stats.skipped = True
+            return stats
+
+        acc = {
+            "grad2d": torch.zeros(n),
+            "count": torch.zeros(n, dtype=torch.int32),
+            "max_radii": torch.zeros(n),
+        }
+        for i, s in owned.items():
+            keep = contributed[s.ids]
+            if s.means2d.grad is None or not keep.any():
+                continue
+            accumulate_stats(acc, s.select(keep), cameras[i], s.means2d.grad[keep], n_cams)
+
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
+        for b, k in enumerate(keys):
+            lo, hi = g.offsets[b], g.offsets[b + 1]
+            rows = torch.nonzero(contributed[lo:hi]).squeeze(1)
+            if rows.numel() == 0:
+                continue
+            t = blocks[k]
+            sparse_adam_step(t, {name: gr[lo:hi] for name, gr in grads.items()}, rows, lrs, adam)
+            t["grad2d"] += acc["grad2d"][lo:hi]
+            t["count"] += acc["count"][lo:hi]
+            torch.maximum(t["max_radii"], acc["max_radii"][lo:hi], out=t["max_radii"])
+            cache.mark_dirty(k)
+            stats.extents[k] = extent_box(t["means"].detach().cpu().numpy(), t["scales"].detach().cpu().numpy())
+            stats.contributed += int(rows.numel())
+        if losses:
+            stats.loss = float(torch.stack(losses).mean())
+            stats.psnr = float(sum(psnrs) / len(psnrs))
+        return stats
+    finally:
+        cache.unpin(keys)
+
+
+@torch.no_grad()
+def render_cameras(
+    cameras: list[Camera],
+    cam_rank: list[int],
+    region: Region,
+    cache,
+    exchange: Exchange,
+    sh_degree: int,
+    background: Tensor,  # [3]
+    backend: str = "cpu",
+) -> dict[int, RasterOutput]:  # camera index -> image and its splats, for the cameras this rank renders
+    """Forward only (evaluation, viewer): the same culling, projection and exchange as training."""
+    rank, n_cams = exchange.rank, len(cameras)
+    visible = [region.visible(c) for c in cameras]
+    out: dict[int, RasterOutput] = {}
+    for i, cam in enumerate(cameras):
+        keys = visible[i]
+        cache.pin(keys)
+        try:
+            blocks = {k: cache.get(k).tensors for k in keys}
+            g = gather(blocks, keys, requires_grad=False)
+            owned, _ = project_owned(g, [keys], [cam], sh_degree, backend)
+        finally:
+            cache.unpin(keys)
+        mine = {i: owned[0]} if 0 in owned else {}
+        outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
+        incoming = exchange.send_splats(outgoing, n_cams)
+        if cam_rank[i] == rank:
+            _, s = _parts_for_camera(i, rank, mine, incoming)
+            out[i] = rasterize(s, cam, background, backend=backend)
+    return out
