@@ -72,9 +72,16 @@ def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     return Scene(train, test, data, scale)
 
 
-def check_overlap(region: Region, cameras: list[Camera], cfg: TrainConfig) -> None:
-    seen = sum(1 for c in cameras if region.visible(c))
-    if seen == 0:
+def check_overlap(region: Region, scene: Scene, store: Store, cfg: TrainConfig) -> None:
+    """Refuse a dataset that is not the one the store was tiled from (or that sees none of it)."""
+    tiled = set(store.attrs.get("source", {}).get("images", []))
+    names = {c.name for c in scene.train + scene.test}
+    if tiled and len(tiled & names) < 0.5 * max(len(tiled), len(names)):
+        raise TrainError(
+            f"{cfg.store} was tiled from a dataset with {len(tiled)} images, {len(tiled & names)} of which "
+            f"{cfg.data} has: the store and the dataset do not belong together"
+        )
+    if not any(region.visible(c) for c in scene.train):
         raise TrainError(
             f"no training camera of {cfg.data} sees any block of {cfg.store}: "
             "the store and the dataset do not belong together (tiled from another scene?)"
@@ -143,7 +150,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
 
     scene = load_cameras(cfg, store)
     region = Region.from_table(store.table, owned_blocks(store.table, rank, size))
-    check_overlap(Region.from_table(store.table), scene.train, cfg)
+    check_overlap(Region.from_table(store.table), scene, store, cfg)
     budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
     cache = BlockCache(store, budget, device)
     background = torch.tensor(cfg.background, dtype=torch.float32, device=device)

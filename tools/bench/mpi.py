@@ -18,25 +18,36 @@ either system, so it is not modelled.
           10 float columns back. The cameras go to the same ranks as ours.
   Control messages (counts: R x cameras integers per rank) are left out of both.
 
-scaling: the lead's strong-scaling run (not yet implemented).
+scaling: strong scaling of the trainer (`python -m train` under mpirun, real runs). Steps per second
+of 2 ranks x batch 1 against 1 rank x batch 2 (the same global batch, hence the same parameters) on
+lund_door at a size where rasterization dominates, one thread a rank; then 8 ranks x batch 1 on the
+`tools.make_scene wall` scene, with the max/mean over ranks of each step's work read from the rank
+metrics files (splats projected, splats rasterized), of the Gaussians each rank owns, and of step
+seconds (which mean little when 8 ranks share 2 cores, and which include waiting in collectives).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from octree import build_octree, extent_boxes, frustum_cull, partition
+from storage import Store
+from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, make_wall, ratio,
+                               run_means, scratch, store_size, tile, train, warm_images)
 from tools.city import CityConfig, CityError, generate_city
 from train.assign import assign_cameras
 from train.camera import Camera
 from train.render import project
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 from train.schedule import step_cameras
+from train.trainer import owned_blocks
 
 # Bytes per travelling splat.
 OURS_FORWARD_FLOATS = WIRE_FLOATS  # 12; float32 or float16 on the wire
@@ -280,11 +291,120 @@ def volume(argv: list[str]) -> int:
     return 0
 
 
-# ---- scaling: the lead's ----
+# ---- scaling ----
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """Strong scaling (1 rank x batch 2 against 2 ranks x batch 1) and the work balance at 8 ranks."""
+
+    data_factor: int = 4  # lund_door at 324 x 484: every camera sees all 11k Gaussians, a render-heavy step
+    steps: int = 24
+    warmup: int = 4  # left out of steps per second (numba's cache, first page-ins, first exchange)
+    repeats: int = 2  # 1-rank / 2-rank pairs, alternated
+    max_per_block: int = 1024  # enough blocks for two balanced regions (the tiler's default gives one)
+    wall: tuple[str, ...] = ()  # `tools.make_scene wall` options of the 8-rank scene
+    wide_steps: int = 12
+    wide_warmup: int = 2
+    wide_ranks: int = 8
+    wide_max_per_block: int = 1024  # about four blocks a rank of the default wall
+
+
+SCALING_TARGET = 1.7
+IMBALANCE_TARGET = 1.15
+
+
+def _strong_scaling(work: Path, data_root: Path, cfg: ScalingConfig) -> None:
+    data = copy_dataset(data_root / "lund_door", work / "lund_door")
+    store = tile(data, work / f"lund_door-{cfg.max_per_block}.zarr", cfg.max_per_block)
+    warm_images(data, cfg.data_factor)
+    size = store_size(store)
+    print(f"[scaling] lund_door at --data-factor {cfg.data_factor}, {size.gaussians:,} Gaussians in {size.blocks} "
+          f"blocks; global batch 2, {cfg.steps} steps (the first {cfg.warmup} left out), one thread a rank "
+          f"(OMP_NUM_THREADS=NUMBA_NUM_THREADS=1); {cfg.repeats} alternated pair(s) of runs")
+    layouts = {1: 2, 2: 1}  # ranks -> per-rank batch
+    runs: dict[int, list[TrainRun]] = {ranks: [] for ranks in layouts}
+    for rep in range(cfg.repeats):
+        for ranks, batch in layouts.items():
+            runs[ranks].append(train(data, store, work / f"scaling-{ranks}-{rep}", cfg.steps, "--batch-size", str(batch),
+                                     "--data-factor", str(cfg.data_factor), "--max-eval-images", "1", ranks=ranks))
+    seconds = {ranks: np.concatenate([r.loop_seconds(cfg.warmup) for r in rs]) for ranks, rs in runs.items()}
+    print(f"{'':28s} {'ours: 2 ranks':>14s} {'ref: 1 rank':>12s} {'ratio':>8s}")
+    for label, fn in (("steps/s (1 / mean s/step)", lambda x: 1.0 / x.mean()),
+                      ("steps/s (1 / median)", lambda x: 1.0 / float(np.median(x)))):
+        a, b = fn(seconds[2]), fn(seconds[1])
+        print(f"{label:28s} {a:>14.3f} {b:>12.3f} {ratio(a, b):>8s}")
+    print(f"{'s/step, mean of each run':28s} {run_means(runs[2], cfg.warmup):>14s} {run_means(runs[1], cfg.warmup):>12s}")
+    received = runs[2][0].column("received", cfg.warmup).sum(axis=0)
+    rasterized = received + runs[2][0].column("local", cfg.warmup).sum(axis=0)
+    print(f"{'splats crossing ranks':28s} {received.sum() / rasterized.sum():>14.1%} {0:>12.1%}")
+    psnrs = {ranks: rs[0].summary["test_psnr"] for ranks, rs in runs.items()}
+    print(f"{'held-out PSNR':28s} {psnrs[2]:>14.4f} {psnrs[1]:>12.4f}   "
+          f"(same parameters: {'yes' if abs(psnrs[2] - psnrs[1]) < 1e-3 else 'NO'})")
+    speedup = seconds[1].mean() / seconds[2].mean()
+    print(f"2-rank speed-up {speedup:.3f}x (target >= {SCALING_TARGET}x): {'met' if speedup >= SCALING_TARGET else 'MISSED'}")
+
+
+def _max_over_mean(x: np.ndarray) -> np.ndarray:  # [R, ...] -> [...]
+    return x.max(axis=0) / np.maximum(x.mean(axis=0), 1e-12)
+
+
+def _work_balance(work: Path, cfg: ScalingConfig) -> None:
+    data = make_wall(work / "wall", cfg.wall)
+    store = tile(data, work / f"wall-{cfg.wide_max_per_block}.zarr", cfg.wide_max_per_block)
+    size = store_size(store)
+    r = cfg.wide_ranks
+    print(f"\n[imbalance] {r} ranks x batch 1 on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "
+          f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out); work counts are exact, seconds "
+          f"are not ({r} ranks share {os.cpu_count()} cores)")
+    run = train(data, store, work / f"imbalance-{r}", cfg.wide_steps, "--max-eval-images", "1", ranks=r)
+    table = Store.open(store, mode="r", verify="table").table
+    owned = np.array([sum(table[k].count for k in owned_blocks(table, rank, r)) for rank in range(r)], dtype=np.float64)
+    warm = cfg.wide_warmup
+    rasterized = run.column("local", warm) + run.column("received", warm)  # [R, steps]
+    projected = run.column("projected", warm)
+    measures = {"Gaussians owned": owned[:, None], "splats rasterized": rasterized, "splats projected": projected,
+                "projected + rasterized": projected + rasterized, "step seconds": run.column("seconds", warm)}
+    print(f"{'max / mean over ranks':26s} {'per step (mean)':>16s} {'per step (max)':>15s} {'whole run':>10s}")
+    for label, x in measures.items():
+        step = _max_over_mean(x)
+        print(f"{label:26s} {step.mean():>16.3f} {step.max():>15.3f} {_max_over_mean(x.sum(axis=1)):>10.3f}")
+    print(f"(the trainer's own `imbalance` field, max/mean of step seconds: {run.column('imbalance', warm)[0].mean():.3f})")
+    print("rank  Gaussians  rasterized/step  projected/step")
+    for rank in range(r):
+        print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f}")
+    headline = _max_over_mean(projected + rasterized).mean()
+    print(f"work imbalance (projected + rasterized splats, max/mean per step) {headline:.3f} "
+          f"(target <= {IMBALANCE_TARGET}): {'met' if headline <= IMBALANCE_TARGET else 'MISSED'}")
+
 
 def scaling(argv: list[str]) -> int:
-    print("mpi scaling: not yet implemented", file=sys.stderr)
-    return 2
+    p = argparse.ArgumentParser(prog="python -m tools.bench mpi scaling",
+                                description="steps/s of 2 ranks against 1 rank, and the work balance at 8 ranks")
+    p.add_argument("--quick", action="store_true", help="smaller images, fewer steps (a smoke run)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder (lund_door)")
+    p.add_argument("--work", type=Path, help="keep datasets, stores and runs here (default: a temporary folder)")
+    p.add_argument("--skip", nargs="*", default=[], choices=("scaling", "imbalance"), help="parts to leave out")
+    p.add_argument("--ranks", type=int, default=ScalingConfig.wide_ranks, help="ranks of the imbalance run")
+    a = p.parse_args(argv)
+    if a.ranks < 2:
+        p.error("--ranks must be at least 2")
+    if not (a.data / "lund_door").is_dir():
+        print(f"error: {a.data}: no lund_door folder (pass --data)", file=sys.stderr)
+        return 2
+    cfg = (ScalingConfig(data_factor=8, steps=8, warmup=3, repeats=1, wall=QUICK_WALL, wide_steps=5,
+                         wide_ranks=a.ranks, wide_max_per_block=256) if a.quick else ScalingConfig(wide_ranks=a.ranks))
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
+    with scratch(a.work) as work:
+        try:
+            if "scaling" not in a.skip:
+                _strong_scaling(work, a.data, cfg)
+            if "imbalance" not in a.skip:
+                _work_balance(work, cfg)
+        except BenchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    print(f"\nload average {os.getloadavg()[0]:.1f}")
+    return 0
 
 
 SUBCOMMANDS = {"volume": volume, "scaling": scaling}

@@ -162,7 +162,8 @@ def _store_attrs(source: Source, root: RootCube, cfg: TileConfig, sh_degree: int
             "min_cell_size": cfg.min_cell_size,
             "max_depth": root.max_depth(cfg.min_cell_size),
         },
-        "source": {"path": str(source.path), "kind": source.kind, "description": source.description},
+        "source": {"path": str(source.path), "kind": source.kind, "description": source.description,
+                   "images": list(source.images)},
     }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ class Source:
     read: Callable[[int, int], Rows]  # rows [start, stop)
     sh_degree: int | None = None  # a trained file's SH degree
     world_transform: np.ndarray = field(default_factory=lambda: np.eye(4))  # input frame -> rows' frame
+    images: tuple[str, ...] = ()  # a dataset's image names: lets the trainer refuse another scene's images
 
 
 def open_source(path: Path, cfg: TileConfig) -> Source:
@@ -75,7 +76,8 @@ def _dataset(path: Path, cfg: TileConfig) -> Source:
         raise TileError(str(e)) from None
     what = "random" if scene.random_points else "SfM"
     description = f"{scene.kind} dataset {path} ({len(scene.points):,} {what} points, {len(scene.cameras)} cameras)"
-    return points_source(description, path, scene.points, scene.colors, scene.world_transform)
+    source = points_source(description, path, scene.points, scene.colors, scene.world_transform)
+    return replace(source, images=tuple(sorted(c.name for c in scene.cameras)))
 
 
 def _ply(path: Path) -> Source:

@@ -27,6 +27,9 @@ def check_splats(splats: dict[str, Tensor], sh_degree: int) -> None:
     missing = [k for k in SPLAT_KEYS if k not in splats]
     if missing:
         raise RenderError(f"splats: missing {', '.join(missing)} (need {', '.join(SPLAT_KEYS)})")
+    for name in SPLAT_KEYS:
+        if not isinstance(splats[name], Tensor):
+            raise RenderError(f"splats['{name}']: a {type(splats[name]).__name__}, expected a torch.Tensor")
     n = splats["means"].shape[0]
     k = splats["shN"].shape[1] if splats["shN"].ndim == 3 else -1
     expected = {"means": (n, 3), "scales": (n, 3), "quats": (n, 4), "opacities": (n,), "sh0": (n, 1, 3),
@@ -59,9 +62,14 @@ def _check_backend(backend: str, device: torch.device, what: str) -> None:
 def _background(background: Tensor | Sequence[float] | None, device: torch.device) -> Tensor:  # [3]
     if background is None:
         return torch.zeros(3, dtype=torch.float32, device=device)
-    bg = torch.as_tensor(background, dtype=torch.float32).detach().to(device)
+    try:
+        bg = torch.as_tensor(background, dtype=torch.float32).detach().to(device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RenderError(f"background: {exc}") from exc
     if bg.shape != (3,):
         raise RenderError(f"background: shape {tuple(bg.shape)}, expected [3]")
+    if not bool(torch.isfinite(bg).all()):
+        raise RenderError("background: contains NaN or inf")
     return bg
 
 

@@ -22,14 +22,14 @@ _GRAD_SPLIT = (2, 3, 1, 3)
 
 @dataclass
 class Splats2D:
-    """Projected Gaussians of one camera, in front-to-back-agnostic order (the rasterizer sorts)."""
+    """Projected Gaussians of one camera, in any order (the rasterizer sorts them by depth)."""
 
     means2d: Tensor  # [M, 2] pixel coordinates, pixel centres at +0.5
     conics: Tensor  # [M, 3] upper triangle (a, b, c) of the inverse 2D covariance
     depths: Tensor  # [M] camera-space z, the sort key (not differentiated)
     opacities: Tensor  # [M] activated, in (0, 1]
     colors: Tensor  # [M, 3] SH colour + 0.5, clamped at 0
-    radii: Tensor  # [M, 2] int32 opacity-aware 3-sigma half extents in pixels (densification statistics)
+    radii: Tensor  # [M, 2] int32 half extents in pixels, opacity-aware, at most 3.33 sigma
     ids: Tensor  # [M] int64 rows of the projected splats dict
 
     def __len__(self) -> int:

