@@ -5,6 +5,9 @@ import json
 import os
 import sys
 
+# numba's and torch's OpenMP pools spin-wait by default and then fight over the same cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from storage import StoreError
 from train.config import parse_config
 from train.data import DatasetError
