@@ -1,17 +1,13 @@
-"""Shared fixtures: where the real test data lives, and a guard that keeps torch to one thread."""
+"""Shared fixtures: where the real test data lives."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tools.bench import data_dir
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def data_dir() -> Path:
-    env = os.environ.get("OCTOSPLAT_DATA")
-    return Path(env) if env else REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

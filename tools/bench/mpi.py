@@ -349,8 +349,8 @@ def _max_over_mean(x: np.ndarray) -> np.ndarray:  # [R, ...] -> [...]
 
 
 def _work_balance(work: Path, cfg: ScalingConfig) -> None:
-    data = make_wall(work / "wall", cfg.wall)
-    store = tile(data, work / f"wall-{cfg.wide_max_per_block}.zarr", cfg.wide_max_per_block)
+    data = make_wall(work, cfg.wall)
+    store = tile(data, work / f"{data.name}-{cfg.wide_max_per_block}.zarr", cfg.wide_max_per_block)
     size = store_size(store)
     r = cfg.wide_ranks
     print(f"\n[imbalance] {r} ranks x batch 1 on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "

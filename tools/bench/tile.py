@@ -18,7 +18,7 @@ from scipy.spatial import cKDTree
 
 from octree import RootCube, build_octree, leaves_from_sorted_codes, locate
 from storage.schema import bytes_per_gaussian
-from tests.conftest import data_dir
+from tools.bench import data_dir
 from tools.synthetic import clustered_points, random_colors
 from tools.tile import TileConfig, tile
 

@@ -73,30 +73,28 @@ class BenchError(RuntimeError):
 class Child:
     seconds: float  # wall clock
     max_rss: int  # bytes: peak resident set of the child (and of the descendants it waited for)
-    stdout: str
 
 
 def run_child(args: Sequence[str | os.PathLike], what: str, env: dict[str, str] | None = None) -> Child:
     """Run a command from the repository root; its own rusage comes from wait4, so each child's
     peak RSS is its own, not the maximum over every child so far (as RUSAGE_CHILDREN would be)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         try:
-            proc = subprocess.Popen([os.fspath(a) for a in args], cwd=REPO, stdout=out, stderr=err,
+            proc = subprocess.Popen([os.fspath(a) for a in args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
                                     env={**os.environ, **(env or {})})
         except OSError as e:
             raise BenchError(f"{what}: cannot start {os.fspath(args[0])}: {e.strerror}") from None
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - start
-        out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
     if proc.returncode != 0:
         lines = [ln for ln in stderr.splitlines() if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()] or lines
         raise BenchError(f"{what} failed (exit {proc.returncode}): " + " | ".join(errors[-3:]))
-    return Child(seconds, usage.ru_maxrss * 1024, stdout)
+    return Child(seconds, usage.ru_maxrss * 1024)
 
 
 def python_module(module: str, *args: str | os.PathLike) -> list[str | os.PathLike]:
@@ -116,8 +114,9 @@ def scratch(keep: Path | None) -> Iterator[Path]:
 
 # ---- scenes and stores ----
 
-def make_wall(out: Path, options: Sequence[str]) -> Path:
-    """The `tools.make_scene wall` dataset with `options` (made once per work folder)."""
+def make_wall(work: Path, options: Sequence[str]) -> Path:
+    """The `tools.make_scene wall` dataset with `options`, made once per work folder (named after them)."""
+    out = work / "-".join(["wall", *(o.lstrip("-") for o in options)])
     if not (out / "transforms.json").is_file():
         run_child(python_module("tools.make_scene", "wall", out, "--overwrite", *options), "tools.make_scene wall")
     return out
@@ -266,8 +265,9 @@ class OverheadConfig:
 
 
 def overhead(work: Path, cfg: OverheadConfig) -> None:
-    data = wall_grid(make_wall(work / "wall", cfg.wall), work / f"walls{cfg.copies}", cfg.copies)
-    store = tile(data, work / f"walls{cfg.copies}-{cfg.max_per_block}.zarr", cfg.max_per_block)
+    base = make_wall(work, cfg.wall)
+    data = wall_grid(base, work / f"{base.name}-x{cfg.copies}", cfg.copies)
+    store = tile(data, work / f"{data.name}-{cfg.max_per_block}.zarr", cfg.max_per_block)
     size = store_size(store)
     caches = {"in memory": 2.0 * size.nbytes / MiB, "out of core": cfg.cache_share * size.nbytes / MiB}
     print(f"\n[overhead] a grid of {cfg.copies} walls: {size.gaussians:,} Gaussians in {size.blocks} blocks, "
@@ -314,7 +314,7 @@ class MemoryConfig:
 
 
 def memory(work: Path, cfg: MemoryConfig) -> None:
-    base = make_wall(work / "wall", cfg.wall)
+    base = make_wall(work, cfg.wall)
     wall_bytes = wall_points(base) * bytes_per_gaussian(3)  # the tiler's default SH degree for points
     print(f"\n[memory] --cache-mb {cfg.cache_mb:g} (B); scenes of about {', '.join(f'{s}' for s in cfg.scales)} B "
           f"as grids of walls ({wall_bytes / MiB:.2f} MiB each); {cfg.steps} steps, batch 1")
@@ -324,8 +324,8 @@ def memory(work: Path, cfg: MemoryConfig) -> None:
     scenes = []
     for scale in cfg.scales:
         copies = max(1, round(scale * cfg.cache_mb * MiB / wall_bytes))
-        data = wall_grid(base, work / f"walls{copies}", copies)
-        scenes.append((scale, copies, data, tile(data, work / f"walls{copies}-{cfg.max_per_block}.zarr", cfg.max_per_block)))
+        data = wall_grid(base, work / f"{base.name}-x{copies}", copies)
+        scenes.append((scale, copies, data, tile(data, work / f"{data.name}-{cfg.max_per_block}.zarr", cfg.max_per_block)))
     options = ("--cache-mb", f"{cfg.cache_mb:g}", "--max-eval-images", "1")
     # A first run may compile numba kernels (when their sources changed), and LLVM's memory is no
     # part of what training needs: this run fills the cache and is not counted.
