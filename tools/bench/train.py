@@ -255,13 +255,15 @@ def run_means(runs: list[TrainRun], warmup: int) -> str:
 
 @dataclass(frozen=True)
 class OverheadConfig:
+    """The out-of-core overhead run (see the module docstring)."""
+
     wall: tuple[str, ...] = ()  # `tools.make_scene wall` options of one wall of the grid
     copies: int = 4  # walls in the grid: a 25% cache holds about one wall
-    steps: int = 60
-    warmup: int = 10
+    steps: int = 60  # training steps of each run
+    warmup: int = 10  # first steps left out of the timings
     repeats: int = 2  # in-memory / out-of-core pairs, alternated
-    max_per_block: int = 2048
-    cache_share: float = 0.25
+    max_per_block: int = 2048  # small enough that one step's blocks fit in the small cache
+    cache_share: float = 0.25  # the small cache, as a share of the scene's bytes
 
 
 def overhead(work: Path, cfg: OverheadConfig) -> None:
@@ -306,11 +308,13 @@ def overhead(work: Path, cfg: OverheadConfig) -> None:
 
 @dataclass(frozen=True)
 class MemoryConfig:
+    """The peak-RSS runs (see the module docstring)."""
+
     wall: tuple[str, ...] = ()  # `tools.make_scene wall` options of one wall of the grid
-    cache_mb: float = 32.0  # B
+    cache_mb: float = 32.0  # B, the --cache-mb of every run
     scales: tuple[int, ...] = (1, 4, 16)  # scene sizes in units of B
-    steps: int = 40
-    max_per_block: int = 8192
+    steps: int = 40  # enough for the cache to fill and evict on every scene but the smallest
+    max_per_block: int = 8192  # large blocks tile faster; one step's still fit in B
 
 
 def memory(work: Path, cfg: MemoryConfig) -> None:
@@ -353,11 +357,13 @@ def memory(work: Path, cfg: MemoryConfig) -> None:
 
 @dataclass(frozen=True)
 class QualityConfig:
-    steps: int = 500
-    data_factor: int = 8
-    warmup: int = 10
-    max_per_block: int = 2048
-    seed: int = 0
+    """The lund_door run and its dense reference (see the module docstring)."""
+
+    steps: int = 500  # training steps of both
+    data_factor: int = 8  # image downscale factor (162 x 242)
+    warmup: int = 10  # first steps left out of seconds per step
+    max_per_block: int = 2048  # several blocks, so paging and per-block Adam take part
+    seed: int = 0  # the camera schedule's seed
 
 
 @dataclass
