@@ -368,6 +368,8 @@ class QualityConfig:
 
 @dataclass
 class Quality:
+    """Mean over the held-out views, and mean seconds per training step (nan: not measured)."""
+
     psnr: float
     ssim: float
     seconds_per_step: float

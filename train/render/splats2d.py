@@ -109,9 +109,9 @@ class Splats2D:
 def pack_grads(splats: Splats2D) -> Tensor:  # [M, 9] float32
     """The gradients accumulated on an unpacked `Splats2D`'s leaves (zeros where none arrived)."""
     cols = []
-    for t in splats.differentiable():
+    for t, width in zip(splats.differentiable(), _GRAD_SPLIT):
         g = t.grad if t.grad is not None else torch.zeros_like(t)
-        cols.append(g.reshape(len(splats), -1))
+        cols.append(g.reshape(len(splats), width))  # explicit width: an empty splat set must pack too
     return torch.cat(cols, dim=1).to(torch.float32).contiguous()
 
 
