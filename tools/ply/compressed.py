@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.schema import num_sh_rest
-from tools.ply.format import AtomicFile, PlyError, PlyHeader, columns, element_data
+from tools.ply.format import AtomicFile, PlyError, PlyHeader, RowWriter, columns, element_data
 from tools.ply.standard import SH_DEGREE_OF_REST, Splats, check_splats
 
 CHUNK_ROWS = 256
@@ -154,7 +154,7 @@ def header_bytes(count: int, sh_degree: int) -> bytes:
     return ("\n".join(lines) + "\nend_header\n").encode()
 
 
-class CompressedPlyWriter:
+class CompressedPlyWriter(RowWriter):
     """Stream Gaussians into a compressed PLY of a known row count; each 256 rows form a chunk, so
     rows should arrive spatially sorted (e.g. block by block in Morton order)."""
 
@@ -193,22 +193,9 @@ class CompressedPlyWriter:
             f.write(data.tobytes())
         self.written += rows
 
-    def close(self) -> None:
+    def _finish(self) -> None:
         if self._pending:
             self._flush(sum(len(p["means"]) for p in self._pending))
-        if self.written != self.count:
-            self._out.abort()
-            raise ValueError(f"writing {self._out.path}: {self.written} rows written, the header announced {self.count}")
-        self._out.commit()
-
-    def __enter__(self) -> "CompressedPlyWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._out.abort()
 
 
 class CompressedPly:

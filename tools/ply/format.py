@@ -187,3 +187,31 @@ class AtomicFile:
     def abort(self) -> None:
         self.file.close()
         self.tmp.unlink(missing_ok=True)
+
+
+class RowWriter:
+    """What both PLY writers share: a known row count, checked on close, and an AtomicFile that
+    appears at its path only when every announced row was written."""
+
+    count: int
+    written: int
+    _out: AtomicFile
+
+    def _finish(self) -> None:
+        """Write whatever the subclass still holds back (default: nothing)."""
+
+    def close(self) -> None:
+        self._finish()
+        if self.written != self.count:
+            self._out.abort()
+            raise ValueError(f"writing {self._out.path}: {self.written} rows written, the header announced {self.count}")
+        self._out.commit()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._out.abort()

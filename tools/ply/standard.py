@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.schema import PARAM_NAMES, num_sh_rest
-from tools.ply.format import AtomicFile, PlyError, PlyHeader, columns, element_data
+from tools.ply.format import AtomicFile, PlyError, PlyHeader, RowWriter, columns, element_data
 
 Splats = dict[str, np.ndarray]  # gsplat names: means [N,3], scales [N,3], quats [N,4], opacities [N], sh0 [N,1,3], shN [N,K,3]
 
@@ -57,7 +57,7 @@ def pack_rows(splats: Splats) -> np.ndarray:  # -> [N, 14 + 3K] float32
     return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts], axis=1)
 
 
-class GaussianPlyWriter:
+class GaussianPlyWriter(RowWriter):
     """Stream Gaussians into a standard PLY of a known row count; the file appears only when complete.
 
     Non-finite values are refused: gsplat's exporter silently drops such rows, which would make the
@@ -82,20 +82,6 @@ class GaussianPlyWriter:
         self._out.file.write(rows.astype("<f4", copy=False).tobytes())
         self.written += n
 
-    def close(self) -> None:
-        if self.written != self.count:
-            self._out.abort()
-            raise ValueError(f"writing {self._out.path}: {self.written} rows written, the header announced {self.count}")
-        self._out.commit()
-
-    def __enter__(self) -> "GaussianPlyWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._out.abort()
 
 
 class GaussianPly:
