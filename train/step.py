@@ -158,7 +158,8 @@ def train_step(
             parts, s = _parts_for_camera(i, rank, kept, incoming)
             out = rasterize(s, cameras[i], background, backend=backend)
             loss = photometric_loss(out.rgb, images[i])
-            (loss / n_cams).backward()
+            if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
+                (loss / n_cams).backward()
             losses.append(loss.detach())
             psnrs.append(psnr(out.rgb, images[i]))
             for (src, part), flags in zip(parts, _split_by_parts(out.contributed, parts)):

@@ -196,10 +196,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                 lrs = learning_rates(adam, step, cfg.steps, scene.scene_scale)
                 degree = min(step // cfg.sh_degree_interval, sh_degree)
                 t0 = time.time()
-                try:
-                    last = train_step(cams, cam_rank, gt, region, cache, exchange, degree, lrs, adam, background, backend)
-                except CacheBudgetError as e:
-                    raise TrainError(f"--cache-mb {budget / 2**20:.1f} is too small for one step: {e}") from e
+                last = train_step(cams, cam_rank, gt, region, cache, exchange, degree, lrs, adam, background, backend)
                 seconds = time.time() - t0
                 region.update_extents(last.extents)
                 step += 1
@@ -224,6 +221,8 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                     evaluate_now(step)
             _commit(store, cache, exchange, step, cfg)
         metrics = evaluate_now(step)
+    except CacheBudgetError as e:
+        raise TrainError(f"--cache-mb {budget / 2**20:.2f} is too small for one step: {e}") from e
     finally:
         bar.close()
         images.shutdown(wait=False, cancel_futures=True)
