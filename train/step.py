@@ -34,7 +34,6 @@ class StepStats:
     received: int = 0  # splats this rank rasterized that another rank owns
     contributed: int = 0  # owned Gaussians stepped by Adam
     extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every stepped block
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,10 +67,9 @@ def project_owned(
     cameras: list[Camera],
     sh_degree: int,
     backend: str,
-) -> tuple[dict[int, Splats2D], dict[int, Tensor]]:
-    """Per camera: its splats (ids are rows of the gathered batch) and nothing for unseen cameras."""
+) -> dict[int, Splats2D]:
+    """Per camera: its splats (ids are rows of the gathered batch); unseen cameras are left out."""
     out: dict[int, Splats2D] = {}
-    rows: dict[int, Tensor] = {}
     for i, (cam, keys) in enumerate(zip(cameras, visible)):
         if not keys:
             continue
@@ -80,8 +78,7 @@ def project_owned(
         s2d = project(splats, cam, sh_degree, backend=backend)
         s2d.ids = r[s2d.ids]
         out[i] = s2d
-        rows[i] = r
-    return out, rows
+    return out
 
 
 def accumulate_stats(
@@ -138,7 +135,7 @@ def train_step(
     try:
         blocks = {k: cache.get(k).tensors for k in keys}
         g = gather(blocks, keys, requires_grad=True)
-        owned, _ = project_owned(g, visible, cameras, sh_degree, backend)
+        owned = project_owned(g, visible, cameras, sh_degree, backend)
         for s in owned.values():
             s.means2d.retain_grad()
         stats.projected = sum(len(s) for s in owned.values())
@@ -237,7 +234,7 @@ def render_cameras(
         try:
             blocks = {k: cache.get(k).tensors for k in keys}
             g = gather(blocks, keys, requires_grad=False)
-            owned, _ = project_owned(g, [keys], [cam], sh_degree, backend)
+            owned = project_owned(g, [keys], [cam], sh_degree, backend)
         finally:
             cache.unpin(keys)
         mine = {i: owned[0]} if 0 in owned else {}

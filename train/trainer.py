@@ -209,7 +209,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                               projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
                               bytes_sent=exchange.bytes_sent - sent0, bytes_received=exchange.bytes_received - received0,
-                              **last.timings, **_cache_fields(cache))
+                              **_cache_fields(cache))
                     sent0, received0 = exchange.bytes_sent, exchange.bytes_received
                 bar.update(1)
                 bar.set_postfix(loss=f"{last.loss:.4f}", psnr=f"{last.psnr:.2f}", gs=_num_gaussians(store),
