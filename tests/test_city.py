@@ -235,7 +235,8 @@ def test_block_affinity_bounds_the_splats_it_predicts(tiny, tiny_counts):
 
 
 def test_cli(capsys):
-    assert mpi.main(["scaling"]) == 2
+    assert mpi.main(["no-such-bench"]) == 2
+    assert mpi.main([]) == 2
     assert mpi.main(["volume", "--blocks", "0"]) == 2
     assert "error: city config: blocks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
