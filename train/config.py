@@ -27,6 +27,7 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False  # deterministic torch kernels: identical results run to run
     resume: bool = False  # continue from the store's last commit
+    stop_at: int = 0  # commit and exit after this step, e.g. one wall-time slice of a cluster job; --resume continues (0: run to --steps); the schedule still spans --steps
     background: tuple[float, float, float] = (0.0, 0.0, 0.0)
     max_eval_images: int = 0  # evaluate at most this many held-out views (0: all)
     progress: bool = True  # show a progress bar on rank 0

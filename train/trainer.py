@@ -147,6 +147,14 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
         raise TrainError(f"store {cfg.store} was trained to step {start}: pass --resume to continue it")
     if start >= cfg.steps and cfg.resume:
         raise TrainError(f"store {cfg.store} is already at step {start} >= --steps {cfg.steps}")
+    # Learning rates decay over --steps, so a slice must know the whole run's length.
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+    if cfg.stop_at > 0 and end <= start:
+        raise TrainError(f"--stop-at {cfg.stop_at}: the store is already at step {start}")
+    planned = int(store.state.get("steps", cfg.steps))
+    if start > 0 and planned != cfg.steps:
+        print(f"warning: {cfg.store} was trained as part of a {planned}-step run; continuing it as a "
+              f"{cfg.steps}-step run changes the learning-rate schedule", flush=True)
 
     scene = load_cameras(cfg, store)
     region = Region.from_table(store.table, owned_blocks(store.table, rank, size))
@@ -186,12 +194,12 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
     sent0, received0 = exchange.bytes_sent, exchange.bytes_received
     try:
         with _StopFlag() as stop:
-            if step < cfg.steps:
+            if step < end:
                 plan(step)
-            while step < cfg.steps and not exchange.any(stop.set):
+            while step < end and not exchange.any(stop.set):
                 cams, cam_rank = cameras_of(step), plans.pop(step)
                 gt = {i: f.result().to(device) for i, f in pending.pop(step).items()}
-                if step + 1 < cfg.steps:
+                if step + 1 < end:
                     plan(step + 1)
                 lrs = learning_rates(adam, step, cfg.steps, scene.scene_scale)
                 degree = min(step // cfg.sh_degree_interval, sh_degree)
@@ -204,7 +212,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                 if last.skipped:
                     log.write("skipped", step, reason="non-finite loss or gradient")
                     bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
-                if step % cfg.log_every == 0 or step == cfg.steps:
+                if step % cfg.log_every == 0 or step == end:
                     log.write("train", step, loss=last.loss, psnr=last.psnr, blocks=last.blocks,
                               projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
@@ -215,9 +223,9 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                 bar.set_postfix(loss=f"{last.loss:.4f}", psnr=f"{last.psnr:.2f}", gs=_num_gaussians(store),
                                 hit=f"{cache.stats.hit_rate:.2f}", io=f"{cache.stats.io_wait_s:.1f}s",
                                 **({"imb": f"{imbalance:.2f}"} if size > 1 else {}))
-                if step % cfg.commit_every == 0 and step < cfg.steps:
+                if step % cfg.commit_every == 0 and step < end:
                     _commit(store, cache, exchange, step, cfg)
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < end:
                     evaluate_now(step)
             _commit(store, cache, exchange, step, cfg)
         metrics = evaluate_now(step)
@@ -255,7 +263,7 @@ def _commit(store: Store, cache: BlockCache, exchange: Exchange, step: int, cfg:
     if exchange.rank == 0:
         updated = {k: v for u, _ in parts for k, v in u.items()}
         removed = [k for _, r in parts for k in r]
-        state = {"step": step, "seed": cfg.seed, "global_batch": cfg.batch_size * exchange.size}
+        state = {"step": step, "steps": cfg.steps, "seed": cfg.seed, "global_batch": cfg.batch_size * exchange.size}
         store.commit(updated, removed, state=state)
     exchange.barrier()
     if exchange.rank != 0:
