@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,15 +81,25 @@ class Backend:
     def delete_dir(self, prefix: str) -> None:
         sync(self.zstore.delete_dir(prefix))
 
-    def sync_tree(self, prefix: str) -> None:
-        """Make the files under prefix durable before a commit names them (local + durable only).
-        The fsyncs run concurrently: the filesystem then commits them in a few journal flushes."""
+    def sync_trees(self, prefixes: Iterable[str]) -> None:
+        """Make the files under each prefix durable before a commit names them (local + durable
+        only). All fsyncs run concurrently, so the filesystem commits them in a few journal
+        flushes; then each parent directory up to the root, once. A prefix that is gone (a
+        dropped block's version, removed by GC) has nothing left to sync."""
         if self.local_root is None or not self.durable:
             return
-        top = self.local_root / prefix
-        paths = [Path(d) / name for d, dirs, files in os.walk(top) for name in files] + [Path(d) for d, _, _ in os.walk(top)]
-        list(self.pool.map(_fsync, paths))
-        self._fsync_parents(top)
+        tops = [self.local_root / p for p in prefixes]
+        paths = [Path(d) / name for top in tops for d, _, files in os.walk(top) for name in files]
+        paths += [Path(d) for top in tops for d, _, _ in os.walk(top)]
+        list(self.pool.map(_fsync_if_present, paths))
+        parents: dict[Path, None] = {}  # deepest first, each once
+        for top in tops:
+            for parent in top.parents:
+                parents[parent] = None
+                if parent == self.local_root:
+                    break
+        for parent in sorted(parents, key=lambda q: -len(q.parts)):
+            _fsync_if_present(parent)
 
     def _fsync_parents(self, path: Path) -> None:
         """New directory entries live in the parents: fsync them up to the store's root."""
@@ -117,6 +128,13 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_if_present(path: Path) -> None:
+    try:
+        _fsync(path)
+    except FileNotFoundError:
+        pass
 
 
 def open_backend(path_or_store: str | os.PathLike[str] | ZarrStore, read_only: bool, durable: bool) -> Backend:

@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,7 +30,6 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
-import zarr.api.asynchronous as zasync
 from numcodecs import blosc
 from zarr.abc.store import Store as ZarrStore
 from zarr.abc.store import SupportsGetSync
@@ -40,7 +40,7 @@ from zarr.core.array_spec import ArrayConfig
 from zarr.core.buffer import Buffer, default_buffer_prototype
 from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
-from zarr.storage import LocalStore, MemoryStore, StorePath
+from zarr.storage import LocalStore
 
 from storage.backend import decode_json, group_doc
 from storage.codec import CodecConfig
@@ -79,50 +79,88 @@ def check_arrays(arrays: Mapping[str, Any], schema: Schema, where: str, array_ty
     return counts.pop()
 
 
-async def write_version(
+def write_version(
     zstore: ZarrStore, prefix: str, arrays: Mapping[str, np.ndarray], count: int, codec: CodecConfig
 ) -> None:
     """Write all arrays under prefix, replacing whatever an interrupted earlier write left there.
 
-    Staging halves the time zarr takes writing to the real store directly (per-array existence
-    checks and parent documents, each a round trip). A version whose group document carries the
-    right count is complete: that document is written last.
+    The chunks and documents are what zarr's own writer makes (byte for byte; plain zarr reads
+    them, see the tests), encoded here directly: zarr's `create_array` costs ~4 ms an array in
+    Python, and its local store ~0.7 ms a file, which made a 22-array block write take ~100 ms
+    however small the block. Local directories get plain file writes; other stores one concurrent
+    burst of PUTs. A version whose group document carries the right count is complete: that
+    document is written last.
     """
-    staging = MemoryStore()
-
-    async def encode(name: str, a: np.ndarray) -> None:
-        row_bytes = a.dtype.itemsize * math.prod(a.shape[1:])
-        await zasync.create_array(
-            StorePath(staging, name),
-            data=a,
-            chunks=(min(count, codec.chunk_rows(row_bytes)), *a.shape[1:]),
-            filters=None,
-            compressors=codec.compressors(a),
-            fill_value=0,
-            # Chunk files side by side ("c.0.0"), not in nested folders: fewer folders to create,
-            # fsync and delete per block.
-            chunk_key_encoding={"name": "default", "separator": "."},
-            # A chunk equal to the fill value would otherwise not be written, and a deleted
-            # chunk could not be told from a zero one.
-            config={"write_empty_chunks": True},
-        )
-
-    await asyncio.gather(*(encode(name, a) for name, a in arrays.items()))
-    prototype = default_buffer_prototype()
-    await zstore.delete_dir(prefix)
-    keys = [key async for key in staging.list() if key != "zarr.json"]
-    members = {}
-    for key in keys:
-        if key.endswith("/zarr.json"):
-            members[key.removesuffix("/zarr.json")] = decode_json((await staging.get(key, prototype=prototype)).to_bytes(), key)  # type: ignore[union-attr]
-
-    async def put(key: str) -> None:
-        await zstore.set(f"{prefix}/{key}", await staging.get(key, prototype=prototype))  # type: ignore[arg-type]
-
-    await asyncio.gather(*(put(key) for key in keys))
+    files: dict[str, bytes] = {}
+    members: dict[str, dict[str, Any]] = {}
+    for name, a in arrays.items():
+        files.update(_encode_array(name, np.asarray(a), count, codec, members))
     doc = group_doc({"count": count})
     doc["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": members}
-    await zstore.set(f"{prefix}/zarr.json", prototype.buffer.from_bytes(json.dumps(doc).encode()))
+    group = json.dumps(doc).encode()
+    if isinstance(zstore, LocalStore):
+        _write_files(Path(zstore.root) / prefix, files, group)
+    else:
+        sync(_put_files(zstore, prefix, files, group))
+
+
+def _write_files(top: Path, files: dict[str, bytes], group: bytes) -> None:
+    shutil.rmtree(top, ignore_errors=True)
+    for folder in {top / key.rpartition("/")[0] for key in files}:
+        folder.mkdir(parents=True, exist_ok=True)
+    for key, data in files.items():
+        (top / key).write_bytes(data)
+    (top / "zarr.json").write_bytes(group)
+
+
+async def _put_files(zstore: ZarrStore, prefix: str, files: dict[str, bytes], group: bytes) -> None:
+    prototype = default_buffer_prototype()
+    await zstore.delete_dir(prefix)
+
+    async def put(key: str, data: bytes) -> None:
+        await zstore.set(f"{prefix}/{key}", prototype.buffer.from_bytes(data))
+
+    await asyncio.gather(*(put(key, data) for key, data in files.items()))
+    await zstore.set(f"{prefix}/zarr.json", prototype.buffer.from_bytes(group))
+
+
+def _encode_array(
+    name: str, a: np.ndarray, count: int, codec: CodecConfig, members: dict[str, dict[str, Any]]
+) -> dict[str, bytes]:
+    """The files of one array (its zarr.json and chunks, keyed relative to the version), and its
+    metadata document added to members. Chunks split rows only; the last one is padded with the
+    fill value to the full chunk shape, as zarr stores it."""
+    trailing = tuple(a.shape[1:])
+    rows = min(count, codec.chunk_rows(a.dtype.itemsize * math.prod(trailing)))
+    compress = codec.compresses(a)
+    doc = {
+        "shape": [count, *trailing],
+        "data_type": a.dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [rows, *trailing]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": False if a.dtype.kind == "b" else (0.0 if a.dtype.kind == "f" else 0),
+        "codecs": codec.codec_docs(a, compress),
+        "attributes": {},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+    members[name] = doc
+    files = {f"{name}/zarr.json": json.dumps(doc).encode()}
+    if a.size == 0:  # no data, no chunks (zarr writes none either)
+        return files
+    blosc_codec = codec.blosc() if compress else None
+    little = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    suffix = ".0" * len(trailing)
+    for i, lo in enumerate(range(0, count, rows)):
+        chunk = np.ascontiguousarray(little[lo : lo + rows])
+        if len(chunk) < rows:
+            chunk = np.concatenate([chunk, np.zeros((rows - len(chunk), *trailing), chunk.dtype)])
+        data = blosc_codec.encode(chunk) if blosc_codec is not None else chunk.tobytes()
+        if codec.checksum:
+            data = bytes(data) + google_crc32c.value(bytes(data)).to_bytes(4, "little")
+        files[f"{name}/c.{i}{suffix}"] = bytes(data)
+    return files
 
 
 def read_version(

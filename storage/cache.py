@@ -276,6 +276,9 @@ class BlockCache:
             for block in [b for b in tier.blocks.values() if b.dirty]:
                 self._write_back(block, tier, evicted=False)
         self._settle_writes()
+        start = time.perf_counter()
+        self.store.sync_written()  # another process may commit what this one wrote
+        self.stats.io_wait_s += time.perf_counter() - start
         updated, removed = dict(self._flushed), sorted(self._removed)
         self._flushed.clear()
         self._removed.clear()

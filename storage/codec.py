@@ -45,14 +45,33 @@ class CodecConfig:
             raise ValueError(f"min_saving {self.min_saving} outside [0, 1)")
 
     def compressors(self, a: np.ndarray) -> list[BytesBytesCodec]:
-        """The bytes-to-bytes codecs for array a after zarr's `bytes` serializer: Blosc if it pays
-        (see `min_saving`), then crc32c, last, so it covers exactly the bytes that are stored."""
+        """The bytes-to-bytes codecs for array a after zarr's `bytes` serializer, as zarr codec
+        objects (see `codec_docs` for the same chain as metadata)."""
         codecs: list[BytesBytesCodec] = []
-        if self.cname != "none" and self._saving(a) >= self.min_saving:
+        if self.compresses(a):
             codecs.append(BloscCodec(cname=self.cname, clevel=self.clevel, shuffle=self.shuffle))
         if self.checksum:
             codecs.append(Crc32cCodec())
         return codecs
+
+    def compresses(self, a: np.ndarray) -> bool:
+        """Whether array a is stored Blosc-compressed: only if it pays (see `min_saving`)."""
+        return self.cname != "none" and self._saving(a) >= self.min_saving
+
+    def codec_docs(self, a: np.ndarray, compress: bool) -> list[dict[str, Any]]:
+        """The zarr v3 `codecs` metadata of array a: little-endian bytes, Blosc if `compress`,
+        then crc32c, last, so it covers exactly the bytes that are stored."""
+        docs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if compress:
+            docs.append({"name": "blosc", "configuration": {"typesize": a.dtype.itemsize, "cname": self.cname,
+                                                             "clevel": self.clevel, "shuffle": self.shuffle,
+                                                             "blocksize": 0}})
+        if self.checksum:
+            docs.append({"name": "crc32c"})
+        return docs
+
+    def blosc(self) -> Blosc:
+        return Blosc(cname=self.cname, clevel=self.clevel, shuffle=SHUFFLES.index(self.shuffle), blocksize=0)
 
     def _saving(self, a: np.ndarray) -> float:
         """The fraction of bytes Blosc saves on evenly spaced rows of a (about SAMPLE_BYTES)."""
@@ -60,7 +79,7 @@ class CodecConfig:
             return 1.0
         step = max(1, a.nbytes // SAMPLE_BYTES)
         sample = np.ascontiguousarray(a[::step])
-        packed = Blosc(cname=self.cname, clevel=self.clevel, shuffle=SHUFFLES.index(self.shuffle)).encode(sample)
+        packed = self.blosc().encode(sample)
         return 1.0 - len(packed) / sample.nbytes
 
     def chunk_rows(self, row_bytes: int) -> int:

@@ -66,6 +66,7 @@ class Store:
         self.schema: Schema = block_schema(self.sh_degree)
         self.keep_commits = keep_commits
         self._tables: dict[int, dict[str, BlockInfo]] = {}  # generation -> table, for GC
+        self._unsynced: set[str] = set()  # version prefixes written by this view and not yet fsynced
         self._set_commit(commit)
 
     # ------------------------------------------------------------------ opening
@@ -173,10 +174,19 @@ class Store:
         version = self.next_version
         self._backend.put_json(f"blocks/{key}/zarr.json", group_doc({}), if_absent=True)
         prefix = f"blocks/{key}/{version}"
-        sync(write_version(self._backend.zstore, prefix, arrays, count, self.codec))
-        self._backend.sync_tree(prefix)
+        write_version(self._backend.zstore, prefix, arrays, count, self.codec)
+        self._unsynced.add(prefix)
         means, scales = arrays["means"], arrays["scales"]
         return BlockInfo(key, version, count, cell, tight_box(means), extent_box(means, scales))
+
+    def sync_written(self) -> None:
+        """Make every version this view wrote durable; `commit` calls it, and so must each process
+        that wrote blocks another process commits (`BlockCache.flush` does). Writes defer their
+        fsyncs to here: a block evicted and rewritten between commits is synced once, and the
+        fsyncs of many blocks overlap."""
+        prefixes = sorted(self._unsynced)
+        self._backend.sync_trees(prefixes)
+        self._unsynced.difference_update(prefixes)
 
     def read_block(self, key: str, info: BlockInfo | None = None) -> dict[str, np.ndarray]:
         """Every array of a block: the committed version, or the one `info` names."""
@@ -226,6 +236,7 @@ class Store:
                 )
             table[key] = info
         self._check_versions([info for info in updated.values() if info.version == generation], where)
+        self.sync_written()
         commit = Commit(generation, table, check_state(self.state if state is None else state))
         self._backend.put_json(f"commits/{generation}/zarr.json", commit.to_doc())
         # The commit point: one atomic replace of the root document.

@@ -8,7 +8,7 @@ import torch
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
 from train.assign import assign_cameras
 from train.optim import AdamConfig, learning_rates, sparse_adam_step
-from train.schedule import step_cameras
+from train.schedule import Schedule, locality_order, step_cameras
 
 
 def _block(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,3 +79,32 @@ def test_camera_assignment_is_optimal_and_balanced():
         assert sorted(ranks) == [0, 0, 1, 1, 2, 2]
         best = max(sum(aff[c, r] for c, r in enumerate(p)) for p in set(permutations([0, 0, 1, 1, 2, 2])))
         assert np.isclose(sum(aff[c, r] for c, r in enumerate(ranks)), best)
+
+
+def test_locality_schedule_reorders_steps_within_windows_only():
+    rng = np.random.default_rng(0)
+    n, b, window = 23, 2, 5
+    features = rng.normal(size=(n, 6))
+    local = Schedule(7, n, b, features, window)
+    steps = 4 * window
+    random_order = [tuple(step_cameras(7, n, b, s)) for s in range(steps)]
+    ordered = [tuple(local.cameras(s)) for s in range(steps)]
+    for w in range(4):
+        # the same random batches, only their order inside the window changes
+        assert sorted(ordered[w * window:(w + 1) * window]) == sorted(random_order[w * window:(w + 1) * window])
+        assert ordered[w * window] == random_order[w * window]  # the chain starts where the window does
+    centroid = {bt: features[list(bt)].mean(0) for bt in random_order}
+
+    def path(seq):
+        return sum(np.linalg.norm(centroid[seq[i + 1]] - centroid[seq[i]]) for i in range(len(seq) - 1)
+                   if (i + 1) % window)
+    assert path(ordered) < path(random_order)
+    # pure: a fresh schedule (a resumed run) asked for steps out of order agrees
+    again = Schedule(7, n, b, features, window)
+    assert [tuple(again.cameras(s)) for s in reversed(range(steps))] == ordered[::-1]
+    assert [tuple(Schedule(7, n, b, features, 0).cameras(s)) for s in range(steps)] == random_order
+
+
+def test_locality_order_is_a_nearest_neighbour_chain():
+    points = np.array([[0.0], [10.0], [1.0], [11.0], [2.0]])
+    assert locality_order(points).tolist() == [0, 2, 4, 1, 3]

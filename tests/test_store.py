@@ -295,3 +295,35 @@ def test_durable_local_writes_leave_no_temp_files(tmp_path: Path) -> None:
     store.commit({"1-0": store.write_block("1-0", random_block(np.random.default_rng(7), 4, 0), CELL)})
     leftovers = [p for p in root.rglob("*") if p.name.endswith(".partial")]
     assert leftovers == [] and sorted(os.listdir(root / "commits")) == ["0", "zarr.json"]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.cname}-{c.checksum}-{c.chunk_mb}-{c.min_saving}")
+@pytest.mark.parametrize("sh_degree", [0, 3])
+def test_block_files_are_what_zarr_itself_writes(codec, sh_degree, tmp_path):
+    """The block writer encodes chunks and documents itself (zarr's writer is slow); every file it
+    makes must be byte for byte what zarr's `create_array` makes of the same array."""
+    import math
+
+    from zarr.core.sync import sync
+
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": sh_degree}, codec=codec)
+    arrays = random_block(np.random.default_rng(3), 700, sh_degree)
+    arrays["exp_avg_means"][:] = 0  # compresses: both codec branches
+    info = store.write_block("0-0", arrays, CELL)
+    version = tmp_path / "s.zarr" / "blocks" / "0-0" / str(info.version)
+    for name, a in arrays.items():
+        ref = MemoryStore()
+        rows = min(len(a), codec.chunk_rows(a.dtype.itemsize * math.prod(a.shape[1:])))
+        sync(zarr.api.asynchronous.create_array(
+            ref, name=name, data=a, chunks=(rows, *a.shape[1:]), filters=None, compressors=codec.compressors(a),
+            fill_value=0, chunk_key_encoding={"name": "default", "separator": "."},
+            config={"write_empty_chunks": True}))
+        expected = {k: v.to_bytes() for k, v in ref._store_dict.items() if k.startswith(f"{name}/")}
+        ours = {f"{name}/{f.name}": f.read_bytes() for f in (version / name).iterdir()}
+        assert ours.keys() == expected.keys(), name
+        for key in ours:
+            if key.endswith("zarr.json"):
+                assert json.loads(ours[key]) == json.loads(expected[key]), key
+            else:
+                assert ours[key] == expected[key], key
+        np.testing.assert_array_equal(zarr.open_array(version / name, mode="r")[...], a)

@@ -1,4 +1,5 @@
-"""Which cameras each step trains on: a pure function of (seed, number of cameras, batch, step).
+"""Which cameras each step trains on: a pure function of (seed, number of cameras, batch, step)
+and, for locality ordering, of where the cameras look.
 
 No RNG state needs saving: a resumed run asks for step s and gets the batch an uninterrupted run
 got. Each epoch is a fresh seeded permutation; a global batch may straddle two epochs.
@@ -24,3 +25,49 @@ def step_cameras(seed: int, num_cameras: int, batch_size: int, step: int) -> np.
         sel = epochs == e
         out[sel] = epoch_permutation(seed, num_cameras, int(e))[pos[sel]]
     return out
+
+
+def locality_order(features: np.ndarray) -> np.ndarray:  # features [W, F] -> [W] order
+    """A greedy nearest-neighbour chain through the rows, starting at row 0: consecutive rows end
+    up close together. Ties go to the lower index, so the order is a pure function of features."""
+    n = len(features)
+    order = np.empty(n, dtype=np.int64)
+    left = np.ones(n, dtype=bool)
+    current = 0
+    for i in range(n):
+        order[i] = current
+        left[current] = False
+        if i + 1 < n:
+            d = np.where(left, np.linalg.norm(features - features[current], axis=1), np.inf)
+            current = int(np.argmin(d))
+    return order
+
+
+class Schedule:
+    """The cameras of every step: each epoch a seeded random permutation (`step_cameras`), and
+    within each window of `window` consecutive steps the steps reordered into a nearest-neighbour
+    chain of their cameras' `features` (where they look), so that consecutive steps see mostly the
+    same blocks and an out-of-core cache pages less. A step keeps its random cameras; only the
+    order of steps inside a window changes, and every step still comes exactly once. A pure
+    function of its arguments, as resuming needs."""
+
+    def __init__(self, seed: int, num_cameras: int, batch_size: int,
+                 features: np.ndarray | None = None,  # [num_cameras, F]
+                 window: int = 0) -> None:
+        if num_cameras <= 0:
+            raise ValueError("no training cameras")
+        self.seed, self.num_cameras, self.batch_size = seed, num_cameras, batch_size
+        self.features = None if features is None else np.asarray(features, dtype=np.float64)
+        self.window = window if self.features is not None and window > 1 else 1
+        self._orders: dict[int, np.ndarray] = {}  # window index -> order of its steps
+
+    def cameras(self, step: int) -> np.ndarray:  # [batch_size] indices into the training cameras
+        w, pos = divmod(step, self.window)
+        if self.window == 1:
+            return step_cameras(self.seed, self.num_cameras, self.batch_size, step)
+        if w not in self._orders:
+            first = w * self.window
+            batches = [step_cameras(self.seed, self.num_cameras, self.batch_size, first + j) for j in range(self.window)]
+            assert self.features is not None
+            self._orders = {w: locality_order(np.stack([self.features[b].mean(axis=0) for b in batches]))}
+        return step_cameras(self.seed, self.num_cameras, self.batch_size, w * self.window + int(self._orders[w][pos]))

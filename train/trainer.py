@@ -22,7 +22,7 @@ from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, write_config
 from train.optim import AdamConfig, learning_rates
 from train.region import Region
-from train.schedule import step_cameras
+from train.schedule import Schedule
 from train.assign import assign_cameras
 from octree.partition import partition
 from train.step import StepStats, train_step
@@ -70,6 +70,12 @@ def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     centers = np.stack([c.center for c in train])
     scale = float(np.linalg.norm(centers - centers.mean(0), axis=1).max() * 1.1) or 1.0
     return Scene(train, test, data, scale)
+
+
+def look_features(cameras: list[Camera], scene_scale: float) -> np.ndarray:  # [N, 6]
+    """Where each camera stands and where it looks, in one metric for the schedule's locality
+    order: its centre, and its viewing axis (OpenCV +z) scaled by a quarter of the scene's radius."""
+    return np.stack([np.concatenate([c.center, c.viewmat[2, :3] * 0.25 * scene_scale]) for c in cameras])
 
 
 def check_overlap(region: Region, scene: Scene, store: Store, cfg: TrainConfig) -> None:
@@ -169,8 +175,11 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
         write_config(out, cfg, {"ranks": size, "device": str(device), "scene_scale": scene.scene_scale,
                                 "train_images": len(scene.train), "test_images": len(scene.test)})
 
+    schedule = Schedule(cfg.seed, len(scene.train), global_batch, look_features(scene.train, scene.scene_scale),
+                        cfg.locality_window)
+
     def cameras_of(step: int) -> list[Camera]:
-        return [scene.train[i] for i in step_cameras(cfg.seed, len(scene.train), global_batch, step)]
+        return [scene.train[i] for i in schedule.cameras(step)]
 
     plans: dict[int, list[int]] = {}  # step -> rank of each camera, planned one step ahead
     images = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
@@ -199,12 +208,19 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
             while step < end and not exchange.any(stop.set):
                 cams, cam_rank = cameras_of(step), plans.pop(step)
                 gt = {i: f.result().to(device) for i, f in pending.pop(step).items()}
-                if step + 1 < end:
-                    plan(step + 1)
-                lrs = learning_rates(adam, step, cfg.steps, scene.scene_scale)
-                degree = min(step // cfg.sh_degree_interval, sh_degree)
                 t0 = time.time()
-                last = train_step(cams, cam_rank, gt, region, cache, exchange, degree, lrs, adam, background, backend)
+                # This step's blocks are pinned first, so the next step's prefetch evicts others.
+                seen = {k for c in cams for k in region.visible(c)}
+                needed = [k for k in region.keys if k in seen]
+                cache.pin(needed)
+                try:
+                    if step + 1 < end:
+                        plan(step + 1)
+                    lrs = learning_rates(adam, step, cfg.steps, scene.scene_scale)
+                    degree = min(step // cfg.sh_degree_interval, sh_degree)
+                    last = train_step(cams, cam_rank, gt, region, cache, exchange, degree, lrs, adam, background, backend)
+                finally:
+                    cache.unpin(needed)
                 seconds = time.time() - t0
                 region.update_extents(last.extents)
                 step += 1

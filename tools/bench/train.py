@@ -48,8 +48,8 @@ from train.config import TrainConfig
 from train.data import DataConfig, load_scene
 from train.losses import photometric_loss, psnr, ssim
 from train.render import render
-from train.schedule import step_cameras
-from train.trainer import load_cameras
+from train.schedule import Schedule
+from train.trainer import load_cameras, look_features
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO.parent / "shared" / "data"
@@ -399,8 +399,11 @@ def dense_reference(data: Path, store_path: Path, cfg: QualityConfig) -> tuple[Q
 
     initial = held_out(float("nan"))
     times = []
+    defaults = TrainConfig()
+    schedule = Schedule(cfg.seed, len(scene.train), 1, look_features(scene.train, scene.scene_scale),
+                        defaults.locality_window)  # the trainer's schedule
     for step in range(cfg.steps):
-        cam = scene.train[int(step_cameras(cfg.seed, len(scene.train), 1, step)[0])]
+        cam = scene.train[int(schedule.cameras(step)[0])]
         start = time.perf_counter()
         rgb, _, _ = render(splats, cam, min(step // SH_DEGREE_INTERVAL, store.sh_degree), background)
         photometric_loss(rgb, photos[cam.name]).backward()
