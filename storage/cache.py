@@ -118,6 +118,7 @@ class _InFlight:
     tier: _Tier
     info: BlockInfo | None = None  # loads: the version being read
     block: Block | None = None  # write-backs: the block being written
+    nbytes: int = 0  # write-backs: the block's bytes (an evicted block lets go of its tensors)
 
 
 @dataclass
@@ -209,11 +210,18 @@ class BlockCache:
                 continue
             info = self._lookup(key)
             nbytes = info.count * self._bytes_per_row
-            if not self._make_room(top, nbytes, key, demand=False):
+            if self._make_room(top, nbytes, key, demand=False):
+                self._loads[key] = _InFlight(self._pool.submit(self._load, info), nbytes, top, info=info)
+                top.reserved += nbytes
+                continue
+            waits = self._take_from_writebacks(top, nbytes - top.free)
+            if waits is None:
                 self.stats.prefetch_skipped += 1
                 continue
-            self._loads[key] = _InFlight(self._pool.submit(self._load, info), nbytes, top, info=info)
-            top.reserved += nbytes
+            # The bytes of evicted blocks still being written become this load's: it starts once
+            # those writes have landed and let go of their tensors, so memory never exceeds the budget.
+            self._loads[key] = _InFlight(self._pool.submit(self._load_after, waits, info), nbytes, top, info=info)
+            top.reserved += top.free
 
     def pin(self, keys: Iterable[str]) -> list[Block]:
         """Load and pin blocks: a pinned block is never evicted. All or nothing."""
@@ -339,10 +347,22 @@ class BlockCache:
             stream.synchronize()
         return _Done(time.perf_counter() - start, tensors=tensors)
 
-    def _write(self, block: Block) -> _Done:
+    def _load_after(self, writes: list[Future], info: BlockInfo) -> _Done:
+        """A prefetch that waits for the write-backs whose memory it takes over. They were
+        submitted earlier to this FIFO pool, so they are running or done: no deadlock. A failed
+        write is reported by `_harvest_writes`, not here."""
+        futures.wait(writes)
+        return self._load(info)
+
+    def _write(self, block: Block, evicted: bool) -> _Done:
         start = time.perf_counter()
         arrays = {name: t.detach().cpu().numpy() for name, t in block.tensors.items()}
         info = self.store.write_block(block.key, arrays, block.cell)
+        del arrays
+        if evicted:
+            # Nothing reads an evicted block's tensors again (a get waits and reads the store), so
+            # its memory is free from here, for a prefetch chained after this write.
+            block.tensors = {}
         return _Done(time.perf_counter() - start, info=info)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -425,7 +445,25 @@ class BlockCache:
         block.dirty = False
         reserved = block.nbytes if evicted else 0
         tier.reserved += reserved
-        self._writes[block.key] = _InFlight(self._pool.submit(self._write, block), reserved, tier, block=block)
+        self._writes[block.key] = _InFlight(self._pool.submit(self._write, block, evicted), reserved, tier, block=block,
+                                            nbytes=block.nbytes)
+
+    def _take_from_writebacks(self, tier: _Tier, shortfall: int) -> list[Future] | None:
+        """Move `shortfall` reserved bytes from in-flight eviction write-backs of `tier` to a
+        load; returns the writes the load must wait for, or None if they hold too little."""
+        pending = [p for p in self._writes.values() if p.tier is tier and p.reserved > 0]
+        if sum(p.reserved for p in pending) < shortfall:
+            return None
+        waits = []
+        for p in pending:
+            if shortfall <= 0:
+                break
+            take = min(p.reserved, shortfall)
+            p.reserved -= take
+            tier.reserved -= take
+            shortfall -= take
+            waits.append(p.future)
+        return waits
 
     def _check_unsealed(self, key: str) -> None:
         if self._sealed and self.store.head == self._sealed_head:
@@ -456,7 +494,7 @@ class BlockCache:
             pending.block.info = done.info
             self._written[key] = self._flushed[key] = done.info
             self.stats.io_s += done.seconds
-            self.stats.bytes_written += pending.block.nbytes
+            self.stats.bytes_written += pending.nbytes
             self.stats.writebacks += 1
 
     def _discard_load(self, key: str) -> None:

@@ -125,6 +125,41 @@ def test_prefetch_never_overruns_the_budget(tmp_path: Path) -> None:
     cache.close()
 
 
+def test_prefetch_takes_over_the_memory_of_blocks_being_written_back(tmp_path: Path) -> None:
+    """A prefetch that can only make room by evicting dirty blocks waits, in the worker, for their
+    write-backs instead of being skipped: the budget holds throughout, the evicted blocks reach
+    the store, and the prefetched ones arrive without a demand load."""
+    store, data = make_store(tmp_path / "s.zarr", [400] * 4)
+    entered, release = threading.Event(), threading.Event()
+    write_block = store.write_block
+
+    def gated(key, arrays, cell):  # type: ignore[no-untyped-def]
+        entered.set()
+        assert release.wait(30)
+        return write_block(key, arrays, cell)
+
+    store.write_block = gated  # type: ignore[method-assign]
+    cache = BlockCache(store, 800 * ROW)
+    trained = {}
+    for key in ("2-0", "2-1"):
+        block = cache.get(key)
+        block.tensors["means"] += 1.0
+        cache.mark_dirty(key)
+        trained[key] = as_numpy(block)
+    cache.prefetch(["2-2", "2-3"])  # both residents are dirty: their writes are held in the worker
+    assert entered.wait(30)
+    assert cache.stats.prefetch_skipped == 0 and cache.nbytes() <= 800 * ROW
+    release.set()
+    for key in ("2-2", "2-3"):
+        assert block_digest(as_numpy(cache.get(key)), SH) == block_digest(data[key], SH)
+        assert cache.nbytes() <= 800 * ROW
+    assert cache.stats.misses == 2  # the first two gets; the prefetched blocks were hits
+    for key in ("2-0", "2-1"):  # paged in again: the trained values, from the store
+        assert block_digest(as_numpy(cache.get(key)), SH) == block_digest(trained[key], SH)
+    assert cache.stats.writebacks == 2 and cache.stats.bytes_written == 800 * ROW
+    cache.close()
+
+
 def test_pinned_blocks_are_never_evicted_and_overcommit_is_an_error(tmp_path: Path) -> None:
     store, _ = make_store(tmp_path / "s.zarr", [400, 400, 400, 400])
     cache = BlockCache(store, 800 * ROW)

@@ -103,6 +103,8 @@ def test_locality_schedule_reorders_steps_within_windows_only():
     again = Schedule(7, n, b, features, window)
     assert [tuple(again.cameras(s)) for s in reversed(range(steps))] == ordered[::-1]
     assert [tuple(Schedule(7, n, b, features, 0).cameras(s)) for s in range(steps)] == random_order
+    # never more than an epoch of steps: each camera comes at most once a window
+    assert Schedule(7, n, b, features, 1000).window == n // b
 
 
 def test_locality_order_is_a_nearest_neighbour_chain():

@@ -20,7 +20,7 @@ class TrainConfig:
     device: str = "auto"  # cpu | cuda | auto (cuda when available)
     data_factor: int = 1  # image downscale factor
     test_every: int = 8  # every N-th image is held out for evaluation
-    locality_window: int = 100  # reorder each window of this many steps into a nearest-neighbour chain of where the cameras look, so consecutive steps see the same blocks and an out-of-core cache pages less; 0 keeps gsplat's random order
+    locality_window: int = 100  # reorder each window of this many steps (at most an epoch) into a nearest-neighbour chain of where the cameras look, so consecutive steps see the same blocks and an out-of-core cache pages less; 0 keeps gsplat's random order
     eval_every: int = 0  # evaluate every N steps (0: only at the end)
     commit_every: int = 500  # commit the store every N steps (and at the end)
     log_every: int = 10  # write a metrics line every N steps
