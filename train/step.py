@@ -73,10 +73,14 @@ def project_owned(
     for i, (cam, keys) in enumerate(zip(cameras, visible)):
         if not keys:
             continue
-        r = gathered.rows_of(keys)
-        splats = {name: p[r] for name, p in gathered.params.items()}
-        s2d = project(splats, cam, sh_degree, backend=backend)
-        s2d.ids = r[s2d.ids]
+        if len(keys) == len(gathered.keys):
+            # The camera sees the whole batch (always, with one camera a step): no gather, and no
+            # scatter of its gradient back into the batch.
+            s2d = project(gathered.params, cam, sh_degree, backend=backend)
+        else:
+            r = gathered.rows_of(keys)
+            s2d = project({name: p[r] for name, p in gathered.params.items()}, cam, sh_degree, backend=backend)
+            s2d.ids = r[s2d.ids]
         out[i] = s2d
     return out
 
@@ -174,7 +178,8 @@ def train_step(
 
         finite = all(torch.isfinite(l).all() for l in losses)
         for p in g.params.values():
-            if p.grad is not None and not torch.isfinite(p.grad[contributed]).all():
+            # Only stepped rows matter; the masked check runs only when something is not finite.
+            if p.grad is not None and not torch.isfinite(p.grad).all() and not torch.isfinite(p.grad[contributed]).all():
                 finite = False
         if exchange.any(not finite):
             stats.skipped = True
