@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,8 @@ def default_cache_bytes() -> int:
 def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     """Cameras of the dataset moved into the frame the store was tiled in."""
     data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False))
+    # The store holds the Gaussians: the dataset's point cloud (27 MiB at 744k points) is not kept.
+    data = replace(data, points=np.zeros((0, 3)), colors=np.zeros((0, 3), dtype=np.uint8))
     T = np.asarray(store.attrs.get("world_transform", np.eye(4)), dtype=np.float64)
     train = [c.transformed(T) for c in data.train_cameras]
     test = [c.transformed(T) for c in data.test_cameras]
