@@ -55,21 +55,14 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
     for n in (2, 4):
         other = Store.open(stores[n], mode="r")
         assert other.state == ref.state and other.table.keys() == ref.table.keys()
-        same = total = 0
         for k in ref.table:
             a, b = ref.read_block(k), other.read_block(k)
             for name in a:
                 # Owners backpropagate cameras in one order and rasterize splats in Morton order
-                # for any R, so even float summation order agrees and the results come out bit for
-                # bit equal. Once, in a clean-clone run, 67 means of one block differed by one
-                # float32 ulp (cause not found, not reproduced in 10 runs since): within an ulp-level
-                # tolerance, then, and nearly everything bit for bit.
-                np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6, err_msg=f"{n} ranks {k}/{name}")
-                np.testing.assert_array_equal(b["adam_step"], a["adam_step"], err_msg=f"{n} ranks {k}: stepped rows")
-                same += int((a[name] == b[name]).sum())
-                total += a[name].size
+                # for any R, so even float summation order agrees: the results are bit for bit equal
+                # (every process runs numba's cached kernels: see train/render/cpu/compiled.py).
+                np.testing.assert_array_equal(b[name], a[name], err_msg=f"{n} ranks {k}/{name}")
             stepped += int((a["adam_step"] > 0).sum())
-        assert same >= 0.99 * total, f"{n} ranks: only {same} of {total} values bit for bit equal"
     assert stepped > 1000
     psnr = [float(next(l for l in (tmp_path / f"out{n}" / "summary.json").read_text().splitlines()
                        if "test_psnr" in l).split(":")[1].strip(" ,")) for n in (1, 2, 4)]

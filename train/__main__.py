@@ -11,6 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from storage import StoreError
 from train.config import parse_config
 from train.data import DatasetError
+from train.render.cpu.compiled import ensure_compiled
 from train.trainer import TrainError, run
 
 _EXPECTED = (TrainError, DatasetError, StoreError)
@@ -26,6 +27,11 @@ def launched_ranks() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
+    try:
+        ensure_compiled()  # every process then runs the cached kernels: same results in all of them
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if launched_ranks() > 1:
         return _main_mpi(cfg)
     try:

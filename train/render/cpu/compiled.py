@@ -1,0 +1,81 @@
+"""The CPU kernels as numba caches them on disk, in every process.
+
+numba's freshly compiled copy of a fast-math kernel and the copy it writes to its on-disk cache
+do not round alike: the backward kernel's sums over pixels, reassociated by the vectorizer, come
+out in another order (found when a clean checkout's first `mpirun -n 1` run trained slightly
+different parameters from every later run). So the process that compiled the kernels trained
+differently from all the processes after it, and a resumed run or an MPI rank could differ from
+another in the last bits. `ensure_compiled()` compiles in a child process when the cache is
+missing; the caller then loads what the child saved, as every later process does.
+
+`python -m train.render.cpu.compiled` is that child: it runs every kernel once, with the argument
+types the trainer passes.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _dispatchers() -> list:
+    from train import optim
+    from train.render.cpu import binning, ellipse, kernels, projection
+
+    return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
+            binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
+            projection._project, projection._colors, projection._project_vjp, optim._adam_rows_cpu]
+
+
+def cached() -> bool:
+    """Whether every kernel has an index in numba's on-disk cache."""
+    for dispatcher in _dispatchers():
+        index = getattr(getattr(getattr(dispatcher, "_cache", None), "_cache_file", None), "_index_path", None)
+        if index is not None and not Path(index).is_file():
+            return False
+    return True
+
+
+def ensure_compiled() -> None:
+    """Compile the kernels into numba's cache in a child process if they are not there yet (about
+    two minutes, once per checkout); before MPI starts, since MPI processes should not fork."""
+    if cached():
+        return
+    print("compiling the CPU kernels (once per checkout, about two minutes) ...", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, "-m", "train.render.cpu.compiled"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-3000:]}")
+
+
+def _compile_all() -> None:
+    """Project, rasterize and backpropagate a small scene, and step sparse Adam on a block."""
+    import numpy as np
+    import torch
+
+    from storage.schema import block_schema
+    from train.camera import Camera
+    from train.losses import photometric_loss
+    from train.optim import AdamConfig, sparse_adam_step
+    from train.render import project, rasterize
+
+    n, sh_degree = 64, 3
+    rng = np.random.default_rng(0)
+    block = {name: torch.zeros((n, *shape), dtype=getattr(torch, dtype.name)) for name, (shape, dtype)
+             in block_schema(sh_degree).items()}
+    block["means"] = torch.from_numpy(rng.uniform(-1.0, 1.0, (n, 3)).astype(np.float32))
+    block["scales"] = torch.full((n, 3), -2.5)
+    block["quats"] = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).repeat(n, 1)
+    block["sh0"] = torch.from_numpy(rng.normal(size=(n, 1, 3)).astype(np.float32))
+    viewmat = np.eye(4)
+    viewmat[2, 3] = 4.0
+    camera = Camera(viewmat, np.array([[40.0, 0, 24], [0, 40.0, 16], [0, 0, 1]]), 48, 32)
+    params = {name: block[name].clone().requires_grad_(True) for name in ("means", "scales", "quats", "opacities",
+                                                                          "sh0", "shN")}
+    out = rasterize(project(params, camera, sh_degree), camera, torch.zeros(3))
+    photometric_loss(out.rgb, torch.full_like(out.rgb, 0.5)).backward()
+    grads = {name: p.grad for name, p in params.items()}
+    sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
+
+
+if __name__ == "__main__":
+    _compile_all()
