@@ -194,7 +194,10 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
         plans[step] = assign_step(cams, region, exchange, cfg.batch_size)
         pending[step] = {i: images.submit(scene.data.load_image, cams[i])
                          for i, r in enumerate(plans[step]) if r == rank}
-        cache.prefetch(sorted({k for c in cams for k in region.visible(c)}))
+        keys = sorted({k for c in cams for k in region.visible(c)})
+        cache.prefetch(keys)
+        if step + 1 < end:  # and, where the budget allows, the step after: a move starts paging early
+            cache.prefetch(sorted({k for c in cameras_of(step + 1) for k in region.visible(c)} - set(keys)))
 
     def evaluate_now(step: int) -> dict:
         return evaluate(scene.test, scene.data.load_image, step, region, cache, exchange, sh_degree, background,
