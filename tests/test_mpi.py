@@ -1,6 +1,7 @@
 """Real mpirun runs: R ranks own regions and give what one process gives; failures never hang."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -70,6 +71,15 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
     # ranks own disjoint regions and rank 1+ received splats: the exchange really ran
     rank_logs = list((tmp_path / "out4").glob("metrics.rank*.jsonl"))
     assert len(rank_logs) == 4
+    phases = {"t_io", "t_project", "t_exchange", "t_render", "t_backprop", "t_adam"}
+    for path in rank_logs:
+        lines = [json.loads(l) for l in path.read_text().splitlines() if '"train"' in l]
+        assert lines
+        for line in lines:
+            # every phase of the step is timed, and the phases add up to no more than the step
+            assert phases <= line.keys() and all(line[p] >= 0 for p in phases)
+            assert sum(line[p] for p in phases) <= line["seconds"] + 1e-3
+            assert line["bytes_sent"] > 0 and line["received"] + line["local"] > 0
 
 
 def test_each_camera_rasterizes_exactly_the_single_process_splats(shared_data, lund_store, tmp_path):

@@ -8,6 +8,7 @@ through their projections. Owners then step sparse Adam on the rows that contrib
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,22 @@ class StepStats:
     received: int = 0  # splats this rank rasterized that another rank owns
     contributed: int = 0  # owned Gaussians stepped by Adam
     extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every stepped block
+    # Seconds in each phase: io (paging blocks in), project, exchange (both directions and the
+    # NaN vote, waiting for other ranks included), render (rasterize, loss, backward), backprop
+    # (owners through their projections), adam (and statistics, extents).
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    """Adds the time since the last mark to a phase."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings, self.last = timings, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
@@ -131,6 +148,7 @@ def train_step(
     backend: str = "cpu",
 ) -> StepStats:
     stats = StepStats()
+    clock = _Clock(stats.timings)
     rank, n_cams = exchange.rank, len(cameras)
     visible = [region.visible(c) for c in cameras]
     keys = [k for k in region.keys if any(k in v for v in visible)]  # Morton order
@@ -138,14 +156,17 @@ def train_step(
     cache.pin(keys)
     try:
         blocks = {k: cache.get(k).tensors for k in keys}
+        clock.mark("io")
         g = gather(blocks, keys, requires_grad=True)
         owned = project_owned(g, visible, cameras, sh_degree, backend)
         for s in owned.values():
             s.means2d.retain_grad()
         stats.projected = sum(len(s) for s in owned.values())
+        clock.mark("project")
 
         outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
         incoming = exchange.send_splats(outgoing, n_cams)
+        clock.mark("exchange")
         # Own splats cross the same boundary as received ones (leaves whose gradients are handed
         # back), so each owner backpropagates its projections in camera order, whoever rendered
         # them: gradient sums, hence parameters, come out the same for any number of ranks.
@@ -168,20 +189,26 @@ def train_step(
             stats.local += sum(len(p) for src, p in parts if src == rank)
             stats.received += sum(len(p) for src, p in parts if src != rank)
 
+        clock.mark("render")
         remote_flags = {key: f for key, f in flags_of.items() if key[0] != rank}
         back = {i: v for (_, i), v in exchange.return_grads(incoming, remote_flags).items()}
+        clock.mark("exchange")
         back.update({i: (pack_grads(leaf), flags_of[(rank, i)]) for i, leaf in kept.items()})
         for i in sorted(back):
             grads, flags = back[i]
             owned[i].backward(grads)
             contributed[owned[i].ids[flags]] = True
+        clock.mark("backprop")
 
         finite = all(torch.isfinite(l).all() for l in losses)
         for p in g.params.values():
             # Only stepped rows matter; the masked check runs only when something is not finite.
             if p.grad is not None and not torch.isfinite(p.grad).all() and not torch.isfinite(p.grad[contributed]).all():
                 finite = False
-        if exchange.any(not finite):
+        clock.mark("adam")
+        skip = exchange.any(not finite)
+        clock.mark("exchange")
+        if skip:
             stats.skipped = True
             return stats
 
@@ -213,6 +240,7 @@ def train_step(
         if losses:
             stats.loss = float(torch.stack(losses).mean())
             stats.psnr = float(sum(psnrs) / len(psnrs))
+        clock.mark("adam")
         return stats
     finally:
         cache.unpin(keys)

@@ -237,6 +237,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                     log.write("train", step, loss=last.loss, psnr=last.psnr, blocks=last.blocks,
                               projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
+                              **{f"t_{phase}": round(t, 5) for phase, t in last.timings.items()},
                               bytes_sent=exchange.bytes_sent - sent0, bytes_received=exchange.bytes_received - received0,
                               **_cache_fields(cache))
                     sent0, received0 = exchange.bytes_sent, exchange.bytes_received
