@@ -92,22 +92,23 @@ class Backend:
         paths = [Path(d) / name for top in tops for d, _, files in os.walk(top) for name in files]
         paths += [Path(d) for top in tops for d, _, _ in os.walk(top)]
         list(self.pool.map(_fsync_if_present, paths))
-        parents: dict[Path, None] = {}  # deepest first, each once
-        for top in tops:
-            for parent in top.parents:
-                parents[parent] = None
-                if parent == self.local_root:
-                    break
-        for parent in sorted(parents, key=lambda q: -len(q.parts)):
+        parents = {parent for top in tops for parent in self._parents(top)}
+        for parent in sorted(parents, key=lambda q: -len(q.parts)):  # deepest first, each once
             _fsync_if_present(parent)
 
     def _fsync_parents(self, path: Path) -> None:
         """New directory entries live in the parents: fsync them up to the store's root."""
-        assert self.local_root is not None
-        for parent in path.parents:
+        for parent in self._parents(path):
             _fsync(parent)
+
+    def _parents(self, path: Path) -> list[Path]:  # path's parents up to the store's root, deepest first
+        assert self.local_root is not None
+        out = []
+        for parent in path.parents:
+            out.append(parent)
             if parent == self.local_root:
                 break
+        return out
 
 
 def group_doc(attributes: dict[str, Any]) -> dict[str, Any]:

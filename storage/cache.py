@@ -211,17 +211,17 @@ class BlockCache:
             info = self._lookup(key)
             nbytes = info.count * self._bytes_per_row
             if self._make_room(top, nbytes, key, demand=False):
-                self._loads[key] = _InFlight(self._pool.submit(self._load, info), nbytes, top, info=info)
-                top.reserved += nbytes
-                continue
-            waits = self._take_from_writebacks(top, nbytes - top.free)
-            if waits is None:
-                self.stats.prefetch_skipped += 1
-                continue
-            # The bytes of evicted blocks still being written become this load's: it starts once
-            # those writes have landed and let go of their tensors, so memory never exceeds the budget.
-            self._loads[key] = _InFlight(self._pool.submit(self._load_after, waits, info), nbytes, top, info=info)
-            top.reserved += top.free
+                task = self._pool.submit(self._load, info)
+            else:
+                # The bytes of evicted blocks still being written become this load's: it starts once
+                # those writes have landed and let go of their tensors, so memory never exceeds the budget.
+                waits = self._take_from_writebacks(top, nbytes - top.free)
+                if waits is None:
+                    self.stats.prefetch_skipped += 1
+                    continue
+                task = self._pool.submit(self._load_after, waits, info)
+            self._loads[key] = _InFlight(task, nbytes, top, info=info)
+            top.reserved += nbytes
 
     def pin(self, keys: Iterable[str]) -> list[Block]:
         """Load and pin blocks: a pinned block is never evicted. All or nothing."""
@@ -358,7 +358,6 @@ class BlockCache:
         start = time.perf_counter()
         arrays = {name: t.detach().cpu().numpy() for name, t in block.tensors.items()}
         info = self.store.write_block(block.key, arrays, block.cell)
-        del arrays
         if evicted:
             # Nothing reads an evicted block's tensors again (a get waits and reads the store), so
             # its memory is free from here, for a prefetch chained after this write.

@@ -1,6 +1,7 @@
 """The blocks one rank owns, with the boxes that culling needs, in Morton order."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,11 @@ class Region:
         index = {k: i for i, k in enumerate(self.keys)}
         for k, box in extents.items():
             self.extents[index[k]] = box
+
+    def union(self, key_lists: Iterable[Iterable[str]]) -> list[str]:
+        """Owned keys that are in any of the lists, in Morton order."""
+        seen = set().union(*key_lists)
+        return [k for k in self.keys if k in seen]
 
     def visible(self, camera: Camera) -> list[str]:
         """Owned blocks whose extent box meets the camera's frustum, in Morton order."""

@@ -46,8 +46,8 @@ def locality_order(features: np.ndarray) -> np.ndarray:  # features [W, F] -> [W
 class Schedule:
     """The cameras of every step: each epoch a seeded random permutation (`step_cameras`), and
     within each window of `window` consecutive steps (at most an epoch's worth) the steps
-    reordered into a nearest-neighbour chain of their cameras' `features` (where they look), so that consecutive steps see mostly the
-    same blocks and an out-of-core cache pages less. A step keeps its random cameras; only the
+    reordered into a nearest-neighbour chain of their cameras' `features` (where they look), so
+    that consecutive steps see mostly the same blocks and an out-of-core cache pages less. A step keeps its random cameras; only the
     order of steps inside a window changes, and every step still comes exactly once. A pure
     function of its arguments, as resuming needs."""
 
@@ -61,7 +61,7 @@ class Schedule:
         # At most one epoch of steps: a longer window would chain a camera's visits of several
         # epochs together, training one view over and over (1.4 dB lost on lund_door at 500 steps).
         self.window = min(window, max(1, num_cameras // batch_size)) if self.features is not None and window > 1 else 1
-        self._orders: dict[int, np.ndarray] = {}  # window index -> order of its steps
+        self._orders: dict[int, np.ndarray] = {}  # the window asked for last -> order of its steps
 
     def cameras(self, step: int) -> np.ndarray:  # [batch_size] indices into the training cameras
         w, pos = divmod(step, self.window)

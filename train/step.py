@@ -151,7 +151,7 @@ def train_step(
     clock = _Clock(stats.timings)
     rank, n_cams = exchange.rank, len(cameras)
     visible = [region.visible(c) for c in cameras]
-    keys = [k for k in region.keys if any(k in v for v in visible)]  # Morton order
+    keys = region.union(visible)
     stats.blocks = len(keys)
     cache.pin(keys)
     try:

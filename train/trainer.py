@@ -194,10 +194,9 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
         plans[step] = assign_step(cams, region, exchange, cfg.batch_size)
         pending[step] = {i: images.submit(scene.data.load_image, cams[i])
                          for i, r in enumerate(plans[step]) if r == rank}
-        keys = sorted({k for c in cams for k in region.visible(c)})
-        cache.prefetch(keys)
+        cache.prefetch(region.union(region.visible(c) for c in cams))
         if step + 1 < end:  # and, where the budget allows, the step after: a move starts paging early
-            cache.prefetch(sorted({k for c in cameras_of(step + 1) for k in region.visible(c)} - set(keys)))
+            cache.prefetch(region.union(region.visible(c) for c in cameras_of(step + 1)))
 
     def evaluate_now(step: int) -> dict:
         return evaluate(scene.test, scene.data.load_image, step, region, cache, exchange, sh_degree, background,
@@ -215,8 +214,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                 gt = {i: f.result().to(device) for i, f in pending.pop(step).items()}
                 t0 = time.time()
                 # This step's blocks are pinned first, so the next step's prefetch evicts others.
-                seen = {k for c in cams for k in region.visible(c)}
-                needed = [k for k in region.keys if k in seen]
+                needed = region.union(region.visible(c) for c in cams)
                 cache.pin(needed)
                 try:
                     if step + 1 < end:
