@@ -5,6 +5,8 @@ import torch
 from pytorch_msssim import ssim as _ssim
 from torch import Tensor
 
+from train.ssim import fused_ssim_applies, ssim_cpu
+
 SSIM_WINDOW = 11  # pytorch_msssim's default Gaussian window; smaller images fall back to L1
 
 
@@ -20,7 +22,8 @@ def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = 0.2)
     l1 = (rendered - target).abs().mean()
     if min(rendered.shape[0], rendered.shape[1]) < SSIM_WINDOW or ssim_lambda == 0.0:
         return l1
-    return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - ssim(rendered, target))
+    structure = ssim_cpu(rendered, target) if fused_ssim_applies(rendered, target) else ssim(rendered, target)
+    return (1.0 - ssim_lambda) * l1 + ssim_lambda * (1.0 - structure)
 
 
 def psnr(rendered: Tensor, target: Tensor) -> float:

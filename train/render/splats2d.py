@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from train.render.errors import RenderError
+from train.render.errors import RenderError, all_finite
 
 WIRE_FLOATS = 12  # means2d 2, conics 3, depths 1, opacities 1, colors 3, radii 2
 GRAD_FLOATS = 9  # means2d 2, conics 3, opacities 1, colors 3
@@ -72,7 +72,7 @@ class Splats2D:
                 continue
             if t.dtype != torch.float32:
                 raise RenderError(f"{where}.{name}: dtype {t.dtype}, expected float32")
-            if m and not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise RenderError(f"{where}.{name}: contains NaN or inf")
 
     def pack(self) -> Tensor:  # [M, 12] float32, detached

@@ -19,12 +19,13 @@ from pathlib import Path
 
 
 def _dispatchers() -> list:
-    from train import optim
+    from train import optim, ssim
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
-            projection._project, projection._colors, projection._project_vjp, optim._adam_rows_cpu]
+            projection._project, projection._colors, projection._project_vjp, optim._adam_rows_cpu,
+            ssim._ssim_forward, ssim._ssim_backward]
 
 
 def cached() -> bool:
@@ -48,7 +49,8 @@ def ensure_compiled() -> None:
 
 
 def _compile_all() -> None:
-    """Project, rasterize and backpropagate a small scene, and step sparse Adam on a block."""
+    """Project, rasterize, take the training loss and backpropagate a small scene, and step sparse
+    Adam on a block."""
     import numpy as np
     import torch
 

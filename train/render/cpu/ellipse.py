@@ -84,9 +84,9 @@ def _span(centre, half, n):
 
 
 @njit(inline="always", fastmath=True)
-def tile_box(rec, mx_local, my_local, w, h):
+def tile_box(half_x, half_y, mx_local, my_local, w, h):
     """The pixels [xa, xb) x [ya, yb) of a w x h tile (mean in tile coordinates) inside the
-    ellipse's bounding box."""
-    xa, xb = _span(mx_local, rec[HALF_X], w)
-    ya, yb = _span(my_local, rec[HALF_Y], h)
+    ellipse's bounding box (half extents from the record)."""
+    xa, xb = _span(mx_local, half_x, w)
+    ya, yb = _span(my_local, half_y, h)
     return xa, xb, ya, yb

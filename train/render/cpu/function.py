@@ -48,9 +48,9 @@ class _Rasterize(torch.autograd.Function):
         records, bins, bg, t_final, stop, tile_end, width, height = ctx.state
         grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
-            kernels.backward(bins.offsets, bins.gids, bins.hit_of_isect, records, bg, width, height,
+            kernels.backward(bins.offsets, bins.gids, records, bg, width, height,
                              bins.tiles_x, t_final, stop, tile_end, _array(v_rgb), _array(v_alpha[..., 0]), grads)
-        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.order, len(records))
+        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.isect_of_hit, bins.order, len(records))
         per_splat = torch.from_numpy(per_splat)
         return (*unpack_grads(per_splat), None, None, None, None, None)
 

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from train.render.cpu.ellipse import (
-    BLUE, CA, CB, CC, DEPTH, GREEN, HALF_Y, MX, MY, OPACITY, RECORD, RED, tile_box,
+    BLUE, CA, CB, CC, DEPTH, GREEN, HALF_X, HALF_Y, MX, MY, OPACITY, RECORD, RED, tile_box,
 )
 from train.render.cpu.fastexp import exp_neg
 from train.render.semantics import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE_SIZE
@@ -62,8 +62,18 @@ def _tile_geometry(tile, tiles_x, width, height):
 def _gather(records, gids, start, n):  # -> [n, RECORD] the tile's splats, contiguous
     local = np.empty((n, RECORD), np.float32)
     for k in range(n):
-        local[k, :] = records[gids[start + k], :]
+        g = gids[start + k]
+        for col in range(RECORD):  # a slice assignment per row cost as much as the copy
+            local[k, col] = records[g, col]
     return local
+
+
+@njit(inline="always")
+def _splat(local, k, x0, y0):
+    """Record k's mean in tile coordinates, conic, opacity and colour. Records are read by index,
+    never as a row view: a view costs two atomic reference-count updates."""
+    return (local[k, MX] - np.float32(x0), local[k, MY] - np.float32(y0), local[k, CA], local[k, CB],
+            local[k, CC], local[k, OPACITY], local[k, RED], local[k, GREEN], local[k, BLUE])
 
 
 @njit(inline="always", fastmath=True)
@@ -95,14 +105,11 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
         for k in range(n):
             if done >= npix:
                 break
-            rec = local[k]
-            if rec[HALF_Y] < _ZERO:
+            if local[k, HALF_Y] < _ZERO:
                 continue
-            mx, my = rec[MX] - np.float32(x0), rec[MY] - np.float32(y0)
-            ca, cb, cc, o = rec[CA], rec[CB], rec[CC], rec[OPACITY]
-            cr, cg, cbl = rec[RED], rec[GREEN], rec[BLUE]
+            mx, my, ca, cb, cc, o, cr, cg, cbl = _splat(local, k, x0, y0)
             used, stopped = _ZERO, _ZERO
-            xa, xb, ya, yb = tile_box(rec, mx, my, w, h)
+            xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
                 for q in range((yb - ya) * _HALF_W):
@@ -148,10 +155,12 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def backward(offsets, gids, hit_of_isect, records, background, width, height, tiles_x,
+def backward(offsets, gids, records, background, width, height, tiles_x,
              t_final, stop, tile_end, v_rgb, v_alpha, grads):
-    """Gradients of every tile intersection into row hit_of_isect[i] of grads [n_isects, 9]
-    (rows of entries past a tile's last contributor are left as they are: zero).
+    """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
+    (rows of entries past a tile's last contributor are left as they are: zero). Rows are written
+    as the tiles walk their lists, not where their splat's other rows are: scattered writes into
+    the grads array cost a quarter of this kernel's time.
 
     With T_k the transmittance in front of splat k, c_k its colour, v the pixel's colour gradient
     and B_k = sum_{j > k} alpha_j T_j (c_j . v) + T_final (background . v), gsplat's
@@ -181,17 +190,14 @@ def backward(offsets, gids, hit_of_isect, records, background, width, height, ti
                     stop_at[p] = np.float32(stop[y, x])
         local = _gather(records, gids, start, k_end + 1)
         for k in range(k_end, -1, -1):
-            rec = local[k]
-            if rec[HALF_Y] < _ZERO:
+            if local[k, HALF_Y] < _ZERO:
                 continue
-            mx, my = rec[MX] - np.float32(x0), rec[MY] - np.float32(y0)
-            ca, cb, cc, o = rec[CA], rec[CB], rec[CC], rec[OPACITY]
-            cr, cg, cbl = rec[RED], rec[GREEN], rec[BLUE]
+            mx, my, ca, cb, cc, o, cr, cg, cbl = _splat(local, k, x0, y0)
             kf = np.float32(k)
             # Moments of d loss / d sigma over the pixels give the conic and mean gradients.
             m_x, m_y, m_xx, m_xy, m_yy = _ZERO, _ZERO, _ZERO, _ZERO, _ZERO
             g_o, g_r, g_g, g_b = _ZERO, _ZERO, _ZERO, _ZERO
-            xa, xb, ya, yb = tile_box(rec, mx, my, w, h)
+            xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
                 for q in range((yb - ya) * _HALF_W):
@@ -221,19 +227,21 @@ def backward(offsets, gids, hit_of_isect, records, background, width, height, ti
                     g_g += fac * vg
                     g_b += fac * vb
                     behind[p] += fac * c_dot_v
-            row = grads[hit_of_isect[start + k]]
-            row[0], row[1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
-            row[2], row[3], row[4] = _HALF * m_xx, m_xy, _HALF * m_yy
-            row[5], row[6], row[7], row[8] = g_o, g_r, g_g, g_b
+            i = start + k
+            grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
+            grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
+            grads[i, 5], grads[i, 6], grads[i, 7], grads[i, 8] = g_o, g_r, g_g, g_b
 
 
 @njit(parallel=True, cache=True)
-def reduce_grads(grads, hit_starts, order, m):  # -> [m, 9]
-    """Sum each splat's gradient rows: splat order[i] owns rows hit_starts[i]:hit_starts[i + 1], so
-    splats are summed in parallel, reading memory in order, without write conflicts."""
+def reduce_grads(grads, hit_starts, isect_of_hit, order, m):  # -> [m, 9]
+    """Sum each splat's gradient rows: splat order[i] owns rows isect_of_hit[hit_starts[i]:hit_starts[i + 1]],
+    so splats are summed in parallel without write conflicts (independent reads overlap their misses)."""
     out = np.zeros((m, GRAD_COLS), np.float32)
     for i in prange(order.size):
         g = order[i]
         for j in range(hit_starts[i], hit_starts[i + 1]):
-            out[g] += grads[j]
+            row = isect_of_hit[j]
+            for col in range(GRAD_COLS):
+                out[g, col] += grads[row, col]
     return out

@@ -1,0 +1,122 @@
+"""The training loss's fused SSIM against pytorch_msssim (the library evaluation uses), and the
+cheap finiteness check the renderer and trainer use on every step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pytorch_msssim import ssim as msssim
+
+from train.losses import photometric_loss
+from train.render.errors import all_finite
+from train.ssim import fused_ssim_applies, ssim_cpu
+
+
+def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """pytorch_msssim's SSIM of [H, W, 3] images and its autograd gradient w.r.t. x."""
+    leaf = x.detach().clone().requires_grad_(True)
+    value = msssim(leaf.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None], data_range=1.0, size_average=True)
+    value.backward()
+    return float(value), leaf.grad
+
+
+def _fused(x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+    leaf = x.detach().clone().requires_grad_(True)
+    value = ssim_cpu(leaf, y)
+    value.backward()
+    return float(value.detach()), leaf.grad
+
+
+@pytest.fixture(scope="module")
+def photo(shared_data) -> torch.Tensor:  # [H, W, 3] a real photo at 120x180
+    path = sorted((shared_data / "lund_door" / "images").iterdir())[0]
+    image = Image.open(path).convert("RGB").resize((120, 180), Image.BILINEAR)
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)
+
+
+def test_fused_ssim_matches_pytorch_msssim_on_a_real_photo(photo):
+    # A rendering-like estimate: the photo blurred, shifted in colour and noisy.
+    rng = torch.Generator().manual_seed(0)
+    blurred = torch.nn.functional.avg_pool2d(photo.permute(2, 0, 1)[None], 5, 1, 2)[0].permute(1, 2, 0)
+    estimate = (0.9 * blurred + 0.05 + 0.03 * torch.randn(photo.shape, generator=rng)).clamp(0, 1)
+    value, grad = _fused(estimate, photo)
+    ref_value, ref_grad = _reference(estimate, photo)
+    assert 0.3 < ref_value < 0.95  # a case where structure differs, not a trivial one
+    assert value == pytest.approx(ref_value, abs=2e-6)
+    scale = float(ref_grad.abs().max())
+    assert float((grad - ref_grad).abs().max()) <= 1e-4 * scale
+    # Identical images: SSIM 1 and a zero gradient.
+    value, grad = _fused(photo, photo)
+    assert value == pytest.approx(1.0, abs=1e-6)
+    assert float(grad.abs().max()) < 1e-4 * scale
+
+
+@pytest.mark.parametrize("shape", [(11, 11), (12, 37), (64, 11), (40, 29)])
+def test_fused_ssim_matches_on_small_and_odd_sizes(shape):
+    rng = torch.Generator().manual_seed(sum(shape))
+    y = torch.rand(*shape, 3, generator=rng)
+    x = (y + 0.2 * torch.randn(*shape, 3, generator=rng)).clamp(0, 1)
+    value, grad = _fused(x, y)
+    ref_value, ref_grad = _reference(x, y)
+    assert value == pytest.approx(ref_value, abs=2e-6)
+    assert float((grad - ref_grad).abs().max()) <= 1e-4 * float(ref_grad.abs().max())
+
+
+def test_fused_ssim_gradient_against_finite_differences():
+    rng = torch.Generator().manual_seed(3)
+    y = torch.rand(14, 13, 3, generator=rng)
+    x = torch.rand(14, 13, 3, generator=rng)
+    _, grad = _fused(x, y)
+    h = 1e-3
+    for (i, j, c) in [(0, 0, 0), (7, 6, 1), (13, 12, 2), (3, 10, 0)]:
+        plus, minus = x.clone(), x.clone()
+        plus[i, j, c] += h
+        minus[i, j, c] -= h
+        numeric = (float(ssim_cpu(plus, y)) - float(ssim_cpu(minus, y))) / (2 * h)
+        assert float(grad[i, j, c]) == pytest.approx(numeric, rel=2e-2, abs=2e-5)
+
+
+def test_fused_ssim_does_not_depend_on_the_thread_count():
+    import numba
+
+    rng = torch.Generator().manual_seed(5)
+    y = torch.rand(50, 70, 3, generator=rng)
+    x = torch.rand(50, 70, 3, generator=rng)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = _fused(x, y)
+        numba.set_num_threads(before)
+        many = _fused(x, y)
+    finally:
+        numba.set_num_threads(before)
+    assert one[0] == many[0]
+    assert torch.equal(one[1], many[1])
+
+
+def test_photometric_loss_takes_the_fused_path_only_where_it_applies():
+    x = torch.rand(20, 30, 3)
+    assert fused_ssim_applies(x, x)
+    assert not fused_ssim_applies(x[:10], x[:10])  # smaller than the window: L1 only
+    assert not fused_ssim_applies(x.double(), x.double())
+    assert not fused_ssim_applies(x, x.clone().requires_grad_(True))
+    # The loss is the same function either way: compare with pytorch_msssim's.
+    y = torch.rand(20, 30, 3)
+    fused = photometric_loss(x, y)
+    ref = 0.8 * (x - y).abs().mean() + 0.2 * (1 - msssim(x.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None],
+                                                          data_range=1.0))
+    assert float(fused) == pytest.approx(float(ref), abs=1e-6)
+
+
+def test_all_finite_finds_nan_and_inf_and_tolerates_overflowing_sums():
+    t = torch.zeros(1000)
+    assert all_finite(t) and all_finite(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = t.clone()
+        u[537] = bad
+        assert not all_finite(u)
+    big = torch.full((10,), 3e38)  # finite values whose sum overflows
+    assert all_finite(big)
+    big[3] = float("nan")
+    assert not all_finite(big)
