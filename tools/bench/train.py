@@ -231,6 +231,9 @@ def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: 
     if ranks:
         args = [MPIRUN, "-n", str(ranks), *args]
         env = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    # The copy, and the previous run's commit, are dirty pages the kernel would write back during
+    # this run, competing with it for the disk and the two cores: write them out before timing.
+    os.sync()
     child = run_child(args, f"python -m train ({out.name})", env)
     files = [out / "metrics.jsonl"] if ranks <= 1 else [out / f"metrics.rank{r}.jsonl" for r in range(ranks)]
     try:
