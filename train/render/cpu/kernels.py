@@ -63,7 +63,7 @@ def _gather(records, gids, start, n):  # -> [n, RECORD] the tile's splats, conti
     local = np.empty((n, RECORD), np.float32)
     for k in range(n):
         g = gids[start + k]
-        for col in range(RECORD):  # a slice assignment per row cost as much as the copy
+        for col in range(RECORD):  # element by element: a row slice would build a view (see _splat)
             local[k, col] = records[g, col]
     return local
 
