@@ -12,7 +12,7 @@ from torch import Tensor
 from train.camera import Camera
 from train.exchange import Exchange
 from train.logs import RunLog
-from train.losses import psnr, ssim
+from train.losses import SSIM_WINDOW, psnr, ssim
 from train.region import Region
 from train.step import render_cameras
 
@@ -49,7 +49,7 @@ def evaluate(
     for i, raster in rendered.items():
         rgb = raster.rgb
         gt = load_image(cameras[i]).to(rgb.device)
-        p, s = psnr(rgb, gt), float(ssim(rgb.clamp(0, 1), gt)) if min(rgb.shape[:2]) >= 11 else float("nan")
+        p, s = psnr(rgb, gt), float(ssim(rgb.clamp(0, 1), gt)) if min(rgb.shape[:2]) >= SSIM_WINDOW else float("nan")
         sums += torch.tensor([p, s, 1.0], dtype=torch.float64)
         save_side_by_side(rgb, gt, out / "renders" / f"step_{step:06d}" / f"{Path(cameras[i].name).stem}.png")
     total = exchange.sum(sums)

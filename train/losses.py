@@ -5,9 +5,8 @@ import torch
 from pytorch_msssim import ssim as _ssim
 from torch import Tensor
 
+from train.ssim import WINDOW as SSIM_WINDOW  # smaller images fall back to L1
 from train.ssim import fused_ssim_applies, ssim_cpu
-
-SSIM_WINDOW = 11  # pytorch_msssim's default Gaussian window; smaller images fall back to L1
 
 
 def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scalar

@@ -123,13 +123,13 @@ class _Ssim(torch.autograd.Function):
         y = target.detach().permute(2, 0, 1).contiguous().numpy()
         g = gaussian_window()
         sums, d_mu, d_xx, d_xy = _ssim_forward(x, y, g)
-        ctx.state = (x, y, g, d_mu, d_xx, d_xy, d_mu.size)
+        ctx.state = (x, y, g, d_mu, d_xx, d_xy)
         return torch.tensor(sums.sum() / d_mu.size, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, y, g, d_mu, d_xx, d_xy, count = ctx.state
-        scale = np.float32(float(grad_out) / count)
+        x, y, g, d_mu, d_xx, d_xy = ctx.state
+        scale = np.float32(float(grad_out) / d_mu.size)
         return torch.from_numpy(_ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale)), None
 
 

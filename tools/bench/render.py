@@ -24,6 +24,7 @@ import argparse  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -69,14 +70,16 @@ class Ms(float):
         return format(f"{_ms(self)} ({_ms(self.median)}) {_ms(self.cpu)}", spec)
 
 
-def timed(fn: Callable[[], object], repeats: int) -> Ms:
-    """Milliseconds of `fn` over `repeats` runs after one warm-up run."""
+def timed(fn: Callable[[], object], repeats: int, calls: int = 1) -> Ms:
+    """Milliseconds per call of `fn` over `repeats` runs of `calls` calls each (one run's figure is
+    its mean call), after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        times.append((time.perf_counter() - wall, time.process_time() - cpu))
+        for _ in range(calls):
+            fn()
+        times.append(((time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls))
     return Ms(times)
 
 
@@ -184,7 +187,7 @@ def lund_door_views(data: Path, height: int, width: int | None = None) -> tuple[
             left = (cam.width - width) // 2
             K = cam.K.copy()
             K[0, 2] -= left
-            cam = Camera(cam.viewmat, K, width, cam.height, name=cam.name)
+            cam = replace(cam, K=K, width=width)
             photo = photo.crop((left, 0, left + width, cam.height))
         views.append((cam, torch.from_numpy(np.asarray(photo, dtype=np.float32) / 255.0)))
     return views, model.points.xyz
@@ -206,18 +209,6 @@ def volume_splats(points: np.ndarray, n: int, seed: int = 0) -> dict:
         "sh0": torch.from_numpy(((rng.random((n, 1, 3)) - 0.5) / SH_C0).astype(np.float32)),
         "shN": torch.zeros(n, num_sh_bases(3) - 1, 3),
     }
-
-
-def per_iteration(fn: Callable[[], object], iterations: int, passes: int) -> Ms:
-    """Milliseconds per call of `fn`, each pass the mean of `iterations` calls; best of `passes`."""
-    fn()
-    times = []
-    for _ in range(passes):
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(iterations):
-            fn()
-        times.append(((time.perf_counter() - wall) / iterations, (time.process_time() - cpu) / iterations))
-    return Ms(times)
 
 
 def bench_train(data: Path, repeats: int) -> None:
@@ -245,8 +236,8 @@ def bench_train(data: Path, repeats: int) -> None:
             optimizer.step()
 
         rgb = torch.rand(h, w, 3, requires_grad=True)
-        ms = per_iteration(iteration, len(views), passes)
-        render_ms = per_iteration(lambda: iteration("render"), len(views), passes)
+        ms = timed(iteration, passes, calls=len(views))
+        render_ms = timed(lambda: iteration("render"), passes, calls=len(views))
         loss_ms = timed(lambda: photometric_loss(rgb, views[0][1]).backward(), max(repeats, 10))
         adam_ms = timed(optimizer.step, max(repeats, 10))
         print(f"{n:>10} {ms:>16} {1e3 * opensplat:>10.0f} {1e3 * opensplat / ms:>8.1f}x | {render_ms:>16} "

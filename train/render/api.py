@@ -68,7 +68,7 @@ def _background(background: Tensor | Sequence[float] | None, device: torch.devic
         raise RenderError(f"background: {exc}") from exc
     if bg.shape != (3,):
         raise RenderError(f"background: shape {tuple(bg.shape)}, expected [3]")
-    if not bool(torch.isfinite(bg).all()):
+    if not all_finite(bg):
         raise RenderError("background: contains NaN or inf")
     return bg
 

@@ -25,8 +25,8 @@ class Bins:
     tiles_x: int
     tiles_y: int
     order: np.ndarray  # [M] int32 the splats by depth
-    hit_starts: np.ndarray  # [M + 1] int64: splat order[i]'s intersections are hits hit_starts[i]..[i + 1]
-    isect_of_hit: np.ndarray  # [n_isects] int64: the tile-list entry of each hit (as numbered above)
+    hit_starts: np.ndarray  # [M + 1] int64: splat order[i]'s intersections are
+    hit_slots: np.ndarray  # [n_isects] int64     gids[hit_slots[hit_starts[i]:hit_starts[i + 1]]]
 
     @property
     def n_isects(self) -> int:
@@ -119,9 +119,9 @@ def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
 
 @njit(cache=True)
 def _sort_by_tile(candidates, starts, order, n_tiles):
-    """Stable counting sort of the hits by tile, visiting splats in depth order. Also numbers the
-    hits splat by splat (hit_starts, isect_of_hit): the backward pass writes one gradient row per
-    tile-list entry, in list order, and the reduction reads a splat's rows through these."""
+    """Stable counting sort of the hits by tile, visiting splats in depth order. Also returns, for
+    the splats in depth order, where each one's hits landed (hit_starts, hit_slots), which is how
+    the backward pass sums a splat's gradient rows."""
     counts = np.zeros(n_tiles + 1, np.int64)
     for t in candidates:
         if t >= 0:
@@ -129,7 +129,7 @@ def _sort_by_tile(candidates, starts, order, n_tiles):
     offsets = np.cumsum(counts)
     cursor = offsets[:-1].copy()
     gids = np.empty(offsets[-1], np.int32)
-    isect_of_hit = np.empty(offsets[-1], np.int64)
+    hit_slots = np.empty(offsets[-1], np.int64)
     hit_starts = np.zeros(order.size + 1, np.int64)
     n = 0
     for i in range(order.size):
@@ -138,11 +138,11 @@ def _sort_by_tile(candidates, starts, order, n_tiles):
             t = candidates[j]
             if t >= 0:
                 gids[cursor[t]] = g
-                isect_of_hit[n] = cursor[t]
+                hit_slots[n] = cursor[t]
                 cursor[t] += 1
                 n += 1
         hit_starts[i + 1] = n
-    return offsets, gids, hit_starts, isect_of_hit
+    return offsets, gids, hit_starts, hit_slots
 
 
 def bin_tiles(records: np.ndarray, radii: np.ndarray, width: int, height: int) -> Bins:
@@ -155,5 +155,5 @@ def bin_tiles(records: np.ndarray, radii: np.ndarray, width: int, height: int) -
     candidates = np.empty(starts[-1], np.int32)
     _test_boxes(records, boxes, starts, width, height, tiles_x, candidates)
     order = _argsort_depth(records)
-    offsets, gids, hit_starts, isect_of_hit = _sort_by_tile(candidates, starts, order, tiles_x * tiles_y)
-    return Bins(offsets, gids, tiles_x, tiles_y, order, hit_starts, isect_of_hit)
+    offsets, gids, hit_starts, hit_slots = _sort_by_tile(candidates, starts, order, tiles_x * tiles_y)
+    return Bins(offsets, gids, tiles_x, tiles_y, order, hit_starts, hit_slots)

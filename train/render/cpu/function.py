@@ -50,7 +50,7 @@ class _Rasterize(torch.autograd.Function):
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.backward(bins.offsets, bins.gids, records, bg, width, height,
                              bins.tiles_x, t_final, stop, tile_end, _array(v_rgb), _array(v_alpha[..., 0]), grads)
-        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.isect_of_hit, bins.order, len(records))
+        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order, len(records))
         per_splat = torch.from_numpy(per_splat)
         return (*unpack_grads(per_splat), None, None, None, None, None)
 

@@ -234,14 +234,14 @@ def backward(offsets, gids, records, background, width, height, tiles_x,
 
 
 @njit(parallel=True, cache=True)
-def reduce_grads(grads, hit_starts, isect_of_hit, order, m):  # -> [m, 9]
-    """Sum each splat's gradient rows: splat order[i] owns rows isect_of_hit[hit_starts[i]:hit_starts[i + 1]],
-    so splats are summed in parallel without write conflicts (independent reads overlap their misses)."""
+def reduce_grads(grads, hit_starts, hit_slots, order, m):  # -> [m, 9]
+    """Sum each splat's intersection rows: splat order[i] owns the rows hit_slots[hit_starts[i]:
+    hit_starts[i + 1]], so splats are summed in parallel without write conflicts."""
     out = np.zeros((m, GRAD_COLS), np.float32)
     for i in prange(order.size):
         g = order[i]
         for j in range(hit_starts[i], hit_starts[i + 1]):
-            row = isect_of_hit[j]
+            row = hit_slots[j]
             for col in range(GRAD_COLS):
                 out[g, col] += grads[row, col]
     return out
