@@ -13,7 +13,8 @@ from storage.errors import StoreFormatError
 
 BLOSC_CNAMES = ("lz4", "lz4hc", "zstd", "blosclz", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in Blosc's numbering
-SAMPLE_BYTES = 1 << 20
+# Enough rows to judge a block's compressibility; compressing it is paid on every write-back.
+SAMPLE_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)

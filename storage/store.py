@@ -4,7 +4,8 @@ Layout (every node is a zarr v3 group or array, so plain `zarr.open_group` reads
 
     zarr.json                 root attributes: format_version, sh_degree, codec, head (last commit), user attrs
     commits/<G>/zarr.json     commit G: its block table and training state (one document, one atomic write)
-    blocks/<key>/<v>/<name>   arrays of block <key> written while generation v-1 was current
+    blocks/<key>/<v>/<pack>   block <key> as written while generation v-1 was current: its arrays
+                              packed into params, state and counters (storage/packing.py)
 
 Commit protocol (see docs/storage.md): between commits, writers (any number of processes, each on
 its own blocks) write versions head+1 of the blocks they changed. Then, after a barrier, one
@@ -38,12 +39,13 @@ from storage.errors import (
     StoreExistsError,
     StoreFormatError,
 )
+from storage.packing import layout_json, pack, pack_layout, pack_schema, packs_for, unpack
 from storage.schema import PARAM_NAMES, block_schema
 from storage.table import BlockInfo, Commit, check_key, check_state, parse_box
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a block version is 3 packed arrays (1: one array per logical array)
 MAX_SH_DEGREE = 4  # gsplat's limit
-RESERVED_ATTRS = ("format_version", "codec", "head")
+RESERVED_ATTRS = ("format_version", "codec", "head", "layout")
 Verify = Literal["table", "blocks", "data"]
 
 PathOrStore = str | os.PathLike[str] | ZarrStore
@@ -63,7 +65,9 @@ class Store:
         self.attrs = attrs  # root attributes: format_version, sh_degree, codec, and the creator's own
         self.codec = CodecConfig.from_json(attrs["codec"], backend.label)
         self.sh_degree: int = attrs["sh_degree"]
-        self.schema: Schema = block_schema(self.sh_degree)
+        self.schema: Schema = block_schema(self.sh_degree)  # the logical arrays callers read and write
+        self.layout = pack_layout(self.sh_degree)
+        self._stored: Schema = pack_schema(self.layout)  # the zarr arrays of a version
         self.keep_commits = keep_commits
         self._tables: dict[int, dict[str, BlockInfo]] = {}  # generation -> table, for GC
         self._unsynced: set[str] = set()  # version prefixes written by this view and not yet fsynced
@@ -174,7 +178,7 @@ class Store:
         version = self.next_version
         self._backend.put_json(f"blocks/{key}/zarr.json", group_doc({}), if_absent=True)
         prefix = f"blocks/{key}/{version}"
-        write_version(self._backend.zstore, prefix, arrays, count, self.codec)
+        write_version(self._backend.zstore, prefix, pack(arrays, self.layout, count), count, self.codec)
         self._unsynced.add(prefix)
         means, scales = arrays["means"], arrays["scales"]
         return BlockInfo(key, version, count, cell, tight_box(means), extent_box(means, scales))
@@ -199,7 +203,10 @@ class Store:
     def _read(self, key: str, info: BlockInfo | None, names: Iterable[str]) -> dict[str, np.ndarray]:
         info = info or self.info(key)
         where = f"store {self.name}, block {key} version {info.version}"
-        return read_version(self._backend.zstore, _prefix(info), names, info.count, self.schema, where, self._backend.pool)
+        names = list(names)
+        packed = read_version(self._backend.zstore, _prefix(info), packs_for(self.layout, names), info.count, self._stored,
+                              where, self._backend.pool)
+        return unpack(packed, self.layout, names, self.schema)
 
     def info(self, key: str) -> BlockInfo:
         """The committed table entry of a block."""
@@ -317,7 +324,7 @@ class Store:
         async def gather() -> None:
             await asyncio.gather(
                 *(
-                    check_version(self._backend.zstore, _prefix(i), i.count, self.schema, f"{where}, block {i.key} version {i.version}")
+                    check_version(self._backend.zstore, _prefix(i), i.count, self._stored, f"{where}, block {i.key} version {i.version}")
                     for i in infos
                 )
             )
@@ -368,6 +375,7 @@ def _new_root_attrs(attrs: Mapping[str, Any], codec: CodecConfig, name: str) -> 
         raise StoreFormatError(f"{name}: attrs may not set the reserved names {clash}")
     root = {**attrs, "format_version": FORMAT_VERSION, "codec": codec.to_json()}
     _check_sh_degree(root.get("sh_degree"), name)
+    root["layout"] = layout_json(pack_layout(root["sh_degree"]))
     try:
         return check_state(root)
     except ValueError as e:
@@ -389,9 +397,13 @@ def _read_root(backend: Backend) -> tuple[dict[str, Any], int | None]:
         raise StoreFormatError(f"{backend.label}: a zarr node but not an OctoSplat store (no format_version)")
     if attrs["format_version"] != FORMAT_VERSION:
         raise StoreFormatError(
-            f"{backend.label}: format version {attrs['format_version']!r:.40}, this code reads {FORMAT_VERSION}"
+            f"{backend.label}: format version {attrs['format_version']!r:.40}, this code reads {FORMAT_VERSION} "
+            "(export the old store with the OctoSplat that wrote it, then tile the PLY again)"
         )
     _check_sh_degree(attrs.get("sh_degree"), backend.label)
+    if attrs.get("layout") != layout_json(pack_layout(attrs["sh_degree"])):
+        raise StoreFormatError(f"{backend.label}: the root's block layout (attribute 'layout') is not the one format "
+                               f"{FORMAT_VERSION} defines for sh_degree {attrs['sh_degree']}")
     if "codec" not in attrs:
         raise StoreFormatError(f"{backend.label}: root attributes lack 'codec'")
     CodecConfig.from_json(attrs["codec"], backend.label)

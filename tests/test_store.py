@@ -26,6 +26,7 @@ from storage import (
     StoreFormatError,
     StoreKeyError,
 )
+from storage.packing import pack
 from storage.schema import PARAM_NAMES
 from tests.helpers.store_data import block_digest, garden_blocks, random_block
 
@@ -82,12 +83,13 @@ def test_round_trip_real_scene_bit_for_bit(tmp_path: Path, garden: dict, codec: 
 
 def test_compression_only_where_it_pays(tmp_path: Path, garden: dict) -> None:
     key, (arrays, cell) = next(iter(garden.items()))
-    fresh = {**arrays, "exp_avg_shN": np.zeros_like(arrays["exp_avg_shN"])}
+    # A freshly tiled block: zero optimizer state and statistics beside real parameters.
+    fresh = {**arrays, **{n: np.zeros_like(a) for n, a in arrays.items() if n not in PARAM_NAMES}}
     store = Store.create(tmp_path / "s.zarr", {"sh_degree": 3})
     store.commit({key: store.write_block(key, fresh, cell)})
     version = zarr.open_group(tmp_path / "s.zarr", mode="r")[f"blocks/{key}/0"]
-    names = {name: [type(c).__name__ for c in version[name].compressors] for name in ("exp_avg_shN", "exp_avg_means", "means")}
-    assert names == {"exp_avg_shN": ["BloscCodec", "Crc32cCodec"], "exp_avg_means": ["Crc32cCodec"], "means": ["Crc32cCodec"]}
+    names = {name: [type(c).__name__ for c in version[name].compressors] for name in ("params", "state", "counters")}
+    assert names == {"params": ["Crc32cCodec"], "state": ["BloscCodec", "Crc32cCodec"], "counters": ["BloscCodec", "Crc32cCodec"]}
     assert block_digest(store.read_block(key), 3) == block_digest(fresh, 3)
 
 
@@ -100,7 +102,7 @@ def test_a_codec_chain_it_did_not_write_reads_through_zarrs_pipeline(tmp_path: P
     store.commit({"1-0": store.write_block("1-0", arrays, CELL)})
     group = zarr.open_group(root / "blocks" / "1-0" / "0", mode="r+")
     members = {}
-    for name, a in arrays.items():
+    for name, a in pack(arrays, store.layout, 300).items():
         group.create_array(name, data=a, chunks=(128, *a.shape[1:]), compressors=[GzipCodec()], overwrite=True)
         members[name] = json.loads((root / "blocks" / "1-0" / "0" / name / "zarr.json").read_text())
     doc = json.loads((root / "blocks" / "1-0" / "0" / "zarr.json").read_text())
@@ -119,9 +121,15 @@ def test_plain_zarr_reads_the_store(tmp_path: Path, garden: dict) -> None:
     assert root.attrs["head"] == g and root.attrs["sh_degree"] == 3 and root.attrs["octree"] == {"max_per_block": 1000}
     table = root[f"commits/{g}"].attrs["blocks"]
     assert [BlockInfo.from_json(e) for e in table] == [info]
-    means = root[f"blocks/{key}/{info.version}/means"][...]
+    # The column map in the root attributes is all a plain zarr user needs to find an array.
+    layout = root.attrs["layout"]
+    lo, hi = layout["params"]["columns"]["means"]
+    means = root[f"blocks/{key}/{info.version}/params"][:, lo:hi]
     assert np.array_equal(means, garden[key][0]["means"])
-    assert root[f"blocks/{key}/{info.version}/means"].compressors  # compressed, as configured
+    lo, hi = layout["state"]["columns"]["exp_avg_sq_shN"]
+    state = root[f"blocks/{key}/{info.version}/state"]
+    assert np.array_equal(state[:, lo:hi].reshape(-1, 15, 3), garden[key][0]["exp_avg_sq_shN"])
+    assert state.compressors  # compressed, as configured
     assert "blocks" in dict(root.groups()) and "commits" in dict(root.groups())
 
 
@@ -308,10 +316,12 @@ def test_block_files_are_what_zarr_itself_writes(codec, sh_degree, tmp_path):
 
     store = Store.create(tmp_path / "s.zarr", {"sh_degree": sh_degree}, codec=codec)
     arrays = random_block(np.random.default_rng(3), 700, sh_degree)
-    arrays["exp_avg_means"][:] = 0  # compresses: both codec branches
+    for name in arrays:
+        if name not in PARAM_NAMES:
+            arrays[name][:] = 0  # the state pack compresses, the parameters do not: both codec branches
     info = store.write_block("0-0", arrays, CELL)
     version = tmp_path / "s.zarr" / "blocks" / "0-0" / str(info.version)
-    for name, a in arrays.items():
+    for name, a in pack(arrays, store.layout, 700).items():
         ref = MemoryStore()
         rows = min(len(a), codec.chunk_rows(a.dtype.itemsize * math.prod(a.shape[1:])))
         sync(zarr.api.asynchronous.create_array(
@@ -327,3 +337,40 @@ def test_block_files_are_what_zarr_itself_writes(codec, sh_degree, tmp_path):
             else:
                 assert ours[key] == expected[key], key
         np.testing.assert_array_equal(zarr.open_array(version / name, mode="r")[...], a)
+
+
+def test_a_version_is_three_packed_arrays(tmp_path: Path) -> None:
+    """The point of the packed format: few files per block write. Each logical array is a run of
+    columns of its pack, as the root's column map says."""
+    rng = np.random.default_rng(11)
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 2}, durable=False)
+    arrays = random_block(rng, 50, 2)
+    info = store.write_block("1-3", arrays, CELL)
+    version = tmp_path / "s.zarr" / "blocks" / "1-3" / str(info.version)
+    files = sorted(str(p.relative_to(version)) for p in version.rglob("*") if p.is_file())
+    assert files == sorted(["zarr.json"] + [f"{a}/{f}" for a in ("params", "state", "counters") for f in ("zarr.json", "c.0.0")])
+    columns = {n: c for doc in store.attrs["layout"].values() for n, c in doc["columns"].items()}
+    assert set(columns) == set(arrays)
+    group = zarr.open_group(version, mode="r")
+    for name, a in arrays.items():
+        pack_name = next(p for p, doc in store.attrs["layout"].items() if name in doc["columns"])
+        lo, hi = columns[name]
+        np.testing.assert_array_equal(group[pack_name][:, lo:hi].reshape(a.shape), a)
+
+
+@pytest.mark.parametrize("codec", [CodecConfig(), CodecConfig(min_saving=0)], ids=["raw-where-noise", "lz4"])
+def test_rewriting_an_uncommitted_version_in_place(tmp_path: Path, codec: CodecConfig) -> None:
+    """An evicted block is rewritten over its uncommitted version: data of another size (a chunk
+    that compresses less or more, another row count) must read back exactly, with no stale bytes."""
+    rng = np.random.default_rng(12)
+    store = Store.create(tmp_path / "s.zarr", {"sh_degree": 1}, codec=codec, durable=False)
+    noisy = random_block(rng, 300, 1)
+    zeros = {**noisy, **{n: np.zeros_like(a) for n, a in noisy.items() if n not in PARAM_NAMES}}
+    fewer = random_block(rng, 120, 1)
+    for arrays in (zeros, noisy, zeros, fewer, noisy):
+        info = store.write_block("1-0", arrays, CELL)
+        assert info.version == 0
+        assert block_digest(store.read_block("1-0", info), 1) == block_digest(arrays, 1)
+    store.commit({"1-0": info})
+    reopened = Store.open(tmp_path / "s.zarr", verify="data")
+    assert block_digest(reopened.read_block("1-0"), 1) == block_digest(noisy, 1)

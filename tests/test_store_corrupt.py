@@ -67,31 +67,31 @@ def first_block_entry(doc: dict) -> dict:
 
 # name -> (codec store, damage, exception, words the message must hold, where it shows: open | read)
 CASES = {
-    "truncated chunk, raw": ("raw", lambda r: truncate(chunk(r, "1-0", "means")), StoreCorruptError, ["1-0", "means", "bytes, expected"], "read"),
-    "truncated chunk, lz4+crc32c": ("lz4", lambda r: truncate(chunk(r, "1-0", "means")), StoreCorruptError, ["1-0", "means", "checksum"], "read"),
-    "truncated chunk, lz4": ("lz4-nocrc", lambda r: truncate(chunk(r, "1-0", "means")), StoreCorruptError, ["1-0", "means", "blosc header"], "read"),
-    "flipped byte, raw+crc32c": ("raw", lambda r: flip_byte(chunk(r, "1-0", "quats")), StoreCorruptError, ["1-0", "quats", "checksum"], "read"),
-    "flipped byte, lz4+crc32c": ("lz4", lambda r: flip_byte(chunk(r, "1-0", "quats")), StoreCorruptError, ["1-0", "quats", "checksum"], "read"),
-    "missing chunk": ("raw", lambda r: chunk(r, "1-0", "scales").unlink(), StoreCorruptError, ["1-0", "scales", "missing"], "read"),
+    "truncated chunk, raw": ("raw", lambda r: truncate(chunk(r, "1-0", "params")), StoreCorruptError, ["1-0", "params", "bytes, expected"], "read"),
+    "truncated chunk, lz4+crc32c": ("lz4", lambda r: truncate(chunk(r, "1-0", "params")), StoreCorruptError, ["1-0", "params", "checksum"], "read"),
+    "truncated chunk, lz4": ("lz4-nocrc", lambda r: truncate(chunk(r, "1-0", "params")), StoreCorruptError, ["1-0", "params", "blosc header"], "read"),
+    "flipped byte, raw+crc32c": ("raw", lambda r: flip_byte(chunk(r, "1-0", "params")), StoreCorruptError, ["1-0", "params", "checksum"], "read"),
+    "flipped byte, lz4+crc32c": ("lz4", lambda r: flip_byte(chunk(r, "1-0", "params")), StoreCorruptError, ["1-0", "params", "checksum"], "read"),
+    "missing chunk": ("raw", lambda r: chunk(r, "1-0", "state").unlink(), StoreCorruptError, ["1-0", "state", "missing"], "read"),
     "wrong shape": (
         "raw",
-        lambda r: edit_array_meta(r, "1-0", "shN", lambda d: d.update(shape=[ROWS, 8, 3])),
+        lambda r: edit_array_meta(r, "1-0", "params", lambda d: d.update(shape=[ROWS, 8])),
         StoreCorruptError,
-        ["1-0", "shN", "shape"],
+        ["1-0", "params", "shape"],
         "open",
     ),
     "wrong dtype": (
         "raw",
-        lambda r: edit_array_meta(r, "1-0", "adam_step", lambda d: d.update(data_type="float32")),
+        lambda r: edit_array_meta(r, "1-0", "counters", lambda d: d.update(data_type="float32")),
         StoreCorruptError,
-        ["1-0", "adam_step", "dtype"],
+        ["1-0", "counters", "dtype"],
         "open",
     ),
     "array missing": (
         "raw",
-        lambda r: edit_json(r / "blocks/1-0/0/zarr.json", lambda d: d["consolidated_metadata"]["metadata"].pop("grad2d")),
+        lambda r: edit_json(r / "blocks/1-0/0/zarr.json", lambda d: d["consolidated_metadata"]["metadata"].pop("state")),
         StoreCorruptError,
-        ["1-0", "grad2d", "missing"],
+        ["1-0", "state", "missing"],
         "open",
     ),
     "missing block": ("raw", lambda r: shutil.rmtree(r / "blocks/1-1"), StoreCorruptError, ["1-1", "missing"], "open"),
@@ -136,6 +136,13 @@ CASES = {
         lambda r: edit_json(r / "zarr.json", lambda d: d["attributes"].update(format_version=99)),
         StoreFormatError,
         ["format version 99"],
+        "open",
+    ),
+    "layout not this format's": (
+        "raw",
+        lambda r: edit_json(r / "zarr.json", lambda d: d["attributes"]["layout"]["params"]["columns"]["means"].reverse()),
+        StoreFormatError,
+        ["layout", "sh_degree 1"],
         "open",
     ),
     "bad codec attribute": (
@@ -184,7 +191,7 @@ def test_a_damaged_store_is_not_collected(tmp_path: Path, pristine: dict[str, Pa
     shutil.copytree(pristine["raw"], root)
     edit_json(root / "commits/0/zarr.json", lambda d: d["attributes"]["blocks"].pop())
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
-    edit_array_meta(root, "1-0", "means", lambda d: d.update(shape=[1, 3]))
+    edit_array_meta(root, "1-0", "params", lambda d: d.update(shape=[1, 23]))
     with pytest.raises(StoreCorruptError):
         Store.open(root)
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

@@ -264,7 +264,7 @@ class OverheadConfig:
     copies: int = 4  # walls in the grid: a 25% cache holds about one wall
     steps: int = 60  # training steps of each run
     warmup: int = 10  # first steps left out of the timings
-    repeats: int = 2  # in-memory / out-of-core pairs, alternated
+    repeats: int = 4  # in-memory / out-of-core pairs, alternated (runs of one config differ by up to 20%)
     max_per_block: int = 2048  # small enough that one step's blocks fit in the small cache
     cache_share: float = 0.25  # the small cache, as a share of the scene's bytes
 
