@@ -83,12 +83,10 @@ def _adam_rows_torch(
     v[rows] = v_r
 
 
-def _adam_rows_numba(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, rows: Tensor, step: Tensor, lr: float, b1: float, b2: float, eps: float
-) -> None:
-    n = p.shape[0]
-    views = [t.reshape(n, -1).numpy() for t in (p, g.contiguous(), m, v)]
-    _adam_rows_cpu(*views, rows.numpy(), step.numpy(), lr, b1, b2, eps)
+@numba.njit(cache=True, fastmath=False)
+def _adam_block_cpu(ps, gs, ms, vs, lrs, rows, step, b1, b2, eps):  # tuples of [N, D_k] float32; lrs [K]
+    for k in range(len(ps)):
+        _adam_rows_cpu(ps[k], gs[k], ms[k], vs[k], rows, step, lrs[k], b1, b2, eps)
 
 
 @torch.no_grad()
@@ -105,9 +103,18 @@ def sparse_adam_step(
         return
     if compiled is None:
         compiled = block["means"].device.type == "cpu"
-    update = _adam_rows_numba if compiled else _adam_rows_torch
     step = block["adam_step"][rows] + 1  # [R]
     block["adam_step"][rows] = step
+    updated = [f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES]
+    if compiled and all(block[x].is_contiguous() for x in updated):  # views, so updates land in the block
+        # One call for the six parameters: the trainer steps every visible block every step, and
+        # per-call overhead (six calls, 24 tensor conversions) cost more than the arithmetic.
+        n = block["means"].shape[0]
+        p, m, v = (tuple(block[x].reshape(n, -1).numpy() for x in updated[i : i + 6]) for i in (0, 6, 12))
+        g = tuple(grads[x].reshape(n, -1).contiguous().numpy() for x in PARAM_NAMES)
+        lr = np.array([lrs[x] for x in PARAM_NAMES])
+        _adam_block_cpu(p, g, m, v, lr, rows.numpy(), step.numpy(), cfg.betas[0], cfg.betas[1], cfg.eps)
+        return
     for name in PARAM_NAMES:
-        update(block[name], grads[name], block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"], rows, step,
-               lrs[name], cfg.betas[0], cfg.betas[1], cfg.eps)
+        _adam_rows_torch(block[name], grads[name], block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"], rows, step,
+                         lrs[name], cfg.betas[0], cfg.betas[1], cfg.eps)

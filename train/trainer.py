@@ -21,7 +21,7 @@ from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, write_config
 from train.optim import AdamConfig, learning_rates
-from train.region import Region
+from train.region import Region, ownership_weights
 from train.schedule import Schedule
 from train.assign import assign_cameras
 from octree.partition import partition
@@ -96,10 +96,12 @@ def check_overlap(region: Region, scene: Scene, store: Store, cfg: TrainConfig) 
         )
 
 
-def owned_blocks(table: dict, rank: int, size: int) -> list[str]:
-    """Rank `rank`'s contiguous, count-balanced share of the Morton-ordered blocks."""
+def owned_blocks(table: dict, rank: int, size: int, cameras: list[Camera] | None = None) -> list[str]:
+    """Rank `rank`'s contiguous share of the Morton-ordered blocks, balanced by `ownership_weights`
+    over the training `cameras` (by Gaussian count without cameras)."""
     everything = Region.from_table(table)
-    bounds = partition(everything.counts.astype(np.float64), size)
+    weights = ownership_weights(everything.counts, everything.extents, cameras or [])
+    bounds = partition(weights, size)
     return everything.keys[bounds[rank] : bounds[rank + 1]]
 
 
@@ -165,7 +167,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
               f"{cfg.steps}-step run changes the learning-rate schedule", flush=True)
 
     scene = load_cameras(cfg, store)
-    region = Region.from_table(store.table, owned_blocks(store.table, rank, size))
+    region = Region.from_table(store.table, owned_blocks(store.table, rank, size, scene.train))
     check_overlap(Region.from_table(store.table), scene, store, cfg)
     budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
     cache = BlockCache(store, budget, device)
@@ -232,10 +234,11 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                     log.write("skipped", step, reason="non-finite loss or gradient")
                     bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
                 if step % cfg.log_every == 0 or step == end:
-                    log.write("train", step, loss=last.loss, psnr=last.psnr, blocks=last.blocks,
+                    log.write("train", step, loss=last.loss, psnr=last.psnr, owned=int(region.counts.sum()), blocks=last.blocks,
                               projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
                               **{f"t_{phase}": round(t, 5) for phase, t in last.timings.items()},
+                              **{f"cpu_{phase}": round(t, 5) for phase, t in last.cpu.items()},
                               bytes_sent=exchange.bytes_sent - sent0, bytes_received=exchange.bytes_received - received0,
                               **_cache_fields(cache))
                     sent0, received0 = exchange.bytes_sent, exchange.bytes_received

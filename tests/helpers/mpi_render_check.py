@@ -22,7 +22,7 @@ def main(data: str, store_path: str, out: str) -> None:
     exchange = MPIExchange(MPI.COMM_WORLD)
     store = Store.open(store_path, mode="r", gc=False)
     scene = load_cameras(TrainConfig(data=data, store=store_path, data_factor=16), store)
-    region = Region.from_table(store.table, owned_blocks(store.table, exchange.rank, exchange.size))
+    region = Region.from_table(store.table, owned_blocks(store.table, exchange.rank, exchange.size, scene.train))
     cams = scene.train[:4]
     cam_rank = assign_step(cams, region, exchange, per_rank=len(cams) // exchange.size)
     with BlockCache(store, 1 << 30, "cpu") as cache:

@@ -22,7 +22,9 @@ scaling: strong scaling of the trainer (`python -m train` under mpirun, real run
 of 2 ranks x batch 1 against 1 rank x batch 2 (the same global batch, hence the same parameters) on
 lund_door at a size where rasterization dominates, one thread a rank; then 8 ranks x batch 1 on the
 `tools.make_scene wall` scene, with the max/mean over ranks of each step's work read from the rank
-metrics files (splats projected, splats rasterized), of the Gaussians each rank owns, and of step
+metrics files: CPU seconds of each rank in the compute phases (project, render, backprop, adam; the
+headline: a rank's own CPU time is its work, however the 8 ranks share the 2 cores and however long
+it waits in collectives), splats projected and rasterized, the Gaussians each rank owns, and step
 seconds (which mean little when 8 ranks share 2 cores, and which include waiting in collectives).
 """
 from __future__ import annotations
@@ -45,9 +47,9 @@ from tools.city import CityConfig, CityError, generate_city
 from train.assign import assign_cameras
 from train.camera import Camera
 from train.render import project
+from train.region import ownership_weights
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 from train.schedule import step_cameras
-from train.trainer import owned_blocks
 
 # Bytes per travelling splat.
 OURS_FORWARD_FLOATS = WIRE_FLOATS  # 12; float32 or float16 on the wire
@@ -57,6 +59,8 @@ GSPLAT_FORWARD_BYTES_INT64_IDS = 64  # what 1.5.3's CUDA projection allocates: i
 GSPLAT_BACKWARD_BYTES = 40  # gradients of the 10 float32 columns
 
 POLICIES = ("in-order", "balanced-blocks", "balanced-splats")
+# The step phases that compute (`train.step.StepStats.cpu`); io and exchange wait for others.
+COMPUTE_PHASES = ("project", "render", "backprop", "adam")
 _PROJECT_ROWS = 1 << 18  # Gaussians per projection call: bounds the temporaries to ~100 MB
 
 
@@ -87,13 +91,16 @@ class Layout:
         return np.bincount(self.block_rank, weights=self.counts, minlength=self.ranks).astype(np.int64)
 
 
-def build_layout(splats: dict[str, np.ndarray], ranks: int, max_per_block: int) -> Layout:
-    """The octree over the means, partitioned by Gaussian count into `ranks` regions."""
+def build_layout(splats: dict[str, np.ndarray], ranks: int, max_per_block: int,
+                 cameras: list[Camera] | None = None) -> Layout:
+    """The octree over the means, partitioned into `ranks` regions as the trainer does
+    (`train.region.ownership_weights` over the training cameras; by Gaussian count without)."""
     tree = build_octree(splats["means"], max_per_block)
     order = tree.order
     sorted_splats = {k: torch.from_numpy(np.ascontiguousarray(v[order])) for k, v in splats.items()}
     extents = extent_boxes(splats["means"][order], splats["scales"][order], tree.starts)
-    return Layout(sorted_splats, order, tree.starts, tree.counts, extents, partition(tree.counts, ranks))
+    bounds = partition(ownership_weights(tree.counts, extents, cameras or []), ranks)
+    return Layout(sorted_splats, order, tree.starts, tree.counts, extents, bounds)
 
 
 def _visible_blocks(layout: Layout, camera: Camera) -> np.ndarray:  # [B] bool
@@ -280,7 +287,7 @@ def volume(argv: list[str]) -> int:
     print(f"city: {cfg.blocks}x{cfg.blocks} blocks, {cfg.extent:.0f} m square, {len(city):,} Gaussians, "
           f"{len(city.buildings)} buildings; {cfg.cameras} cameras {cfg.width}x{cfg.height} "
           f"fov {cfg.fov_x:g} deg at {cfg.eye_height} m")
-    layout = build_layout(city.splats(), a.ranks, a.max_per_block)
+    layout = build_layout(city.splats(), a.ranks, a.max_per_block, city.cameras)
     _print_layout(layout)
     print(f"schedule: {a.ranks} ranks x {a.per_rank} cameras per step, {steps} steps (seed {cfg.seed})")
     ours, round_robin = count_splats(layout, city.cameras)
@@ -303,8 +310,8 @@ class ScalingConfig:
     repeats: int = 2  # 1-rank / 2-rank pairs, alternated
     max_per_block: int = 1024  # enough blocks for two balanced regions (the tiler's default gives one)
     wall: tuple[str, ...] = ()  # `tools.make_scene wall` options of the 8-rank scene
-    wide_steps: int = 12
-    wide_warmup: int = 2
+    wide_steps: int = 24
+    wide_warmup: int = 4
     wide_ranks: int = 8
     wide_max_per_block: int = 1024  # about four blocks a rank of the default wall
 
@@ -357,23 +364,26 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
           f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out); work counts are exact, seconds "
           f"are not ({r} ranks share {os.cpu_count()} cores)")
     run = train(data, store, work / f"imbalance-{r}", cfg.wide_steps, "--max-eval-images", "1", ranks=r)
-    table = Store.open(store, mode="r", verify="table").table
-    owned = np.array([sum(table[k].count for k in owned_blocks(table, rank, r)) for rank in range(r)], dtype=np.float64)
+    owned = run.column("owned", 0)[:, 0]  # [R] Gaussians each rank owns (the trainer's `owned_blocks`)
     warm = cfg.wide_warmup
     rasterized = run.column("local", warm) + run.column("received", warm)  # [R, steps]
     projected = run.column("projected", warm)
+    cpu = {phase: run.column(f"cpu_{phase}", warm) for phase in COMPUTE_PHASES}  # [R, steps] each
+    compute = sum(cpu.values())
     measures = {"Gaussians owned": owned[:, None], "splats rasterized": rasterized, "splats projected": projected,
-                "projected + rasterized": projected + rasterized, "step seconds": run.column("seconds", warm)}
+                "projected + rasterized": projected + rasterized, "step seconds": run.column("seconds", warm),
+                **{f"CPU s, {phase}": c for phase, c in cpu.items()}, "CPU s, compute": compute}
     print(f"{'max / mean over ranks':26s} {'per step (mean)':>16s} {'per step (max)':>15s} {'whole run':>10s}")
     for label, x in measures.items():
         step = _max_over_mean(x)
         print(f"{label:26s} {step.mean():>16.3f} {step.max():>15.3f} {_max_over_mean(x.sum(axis=1)):>10.3f}")
     print(f"(the trainer's own `imbalance` field, max/mean of step seconds: {run.column('imbalance', warm)[0].mean():.3f})")
-    print("rank  Gaussians  rasterized/step  projected/step")
+    print("rank  Gaussians  rasterized/step  projected/step  compute CPU ms/step")
     for rank in range(r):
-        print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f}")
-    headline = _max_over_mean(projected + rasterized).mean()
-    print(f"work imbalance (projected + rasterized splats, max/mean per step) {headline:.3f} "
+        print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f} "
+              f"{compute[rank].mean() * 1e3:20.1f}")
+    headline = _max_over_mean(compute).mean()
+    print(f"work imbalance (compute CPU seconds of each rank, max/mean per step) {headline:.3f} "
           f"(target <= {IMBALANCE_TARGET}): {'met' if headline <= IMBALANCE_TARGET else 'MISSED'}")
 
 
