@@ -59,6 +59,17 @@ class Backend:
             raw = buf.to_bytes()
         return decode_json(raw, f"{self.label}: {key}")
 
+    def stamp(self, key: str) -> tuple[int, int, int] | None:
+        """Identity of a local document's current file (inode, mtime, size); None elsewhere or
+        when it is missing. Documents are replaced by rename, so a changed document changes it."""
+        if self.local_root is None:
+            return None
+        try:
+            st = os.stat(self.local_root / key)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
     def put_json(self, key: str, doc: Any, if_absent: bool = False) -> None:
         """Write the document at key atomically: readers see the old or the new one, never a mix.
         if_absent: leave an existing document alone."""

@@ -71,6 +71,7 @@ class Store:
         self.keep_commits = keep_commits
         self._tables: dict[int, dict[str, BlockInfo]] = {}  # generation -> table, for GC
         self._unsynced: set[str] = set()  # version prefixes written by this view and not yet fsynced
+        self._root_stamp: tuple[Any, int | None] = (None, None)  # (root file stamp, head it names)
         self._set_commit(commit)
 
     # ------------------------------------------------------------------ opening
@@ -166,10 +167,13 @@ class Store:
         where = f"store {self.name}, block {key}"
         check_key(key, where)
         cell = parse_box(cell, f"{where}: cell box", BlockDataError)
-        count = check_arrays(arrays, self.schema, where)
+        count = check_arrays(arrays, self.schema, where, finite=False)
         if count == 0:
             raise BlockDataError(f"{where}: empty block (a block that becomes empty is removed, not stored)")
-        _, head = _read_root(self._backend)
+        packed = pack(arrays, self.layout, count)
+        if not all(np.isfinite(a).all() for a in packed.values() if a.dtype.kind == "f"):
+            check_arrays(arrays, self.schema, where)  # names the array that holds NaN or inf
+        head = self._stored_head()
         if head != self.head:
             raise CommitProtocolError(
                 f"{where}: the store was committed to generation {head} by another process since this view "
@@ -178,10 +182,20 @@ class Store:
         version = self.next_version
         self._backend.put_json(f"blocks/{key}/zarr.json", group_doc({}), if_absent=True)
         prefix = f"blocks/{key}/{version}"
-        write_version(self._backend.zstore, prefix, pack(arrays, self.layout, count), count, self.codec)
+        write_version(self._backend.zstore, prefix, packed, count, self.codec)
         self._unsynced.add(prefix)
         means, scales = arrays["means"], arrays["scales"]
         return BlockInfo(key, version, count, cell, tight_box(means), extent_box(means, scales))
+
+    def _stored_head(self) -> int | None:
+        """The head the root document names now. Every block write asks (to refuse a stale view);
+        on a local disk the parsed answer is reused while the document's file is the same one
+        (commits replace it by a rename, so a new commit is a new inode)."""
+        stamp = self._backend.stamp("zarr.json")
+        if stamp is None or stamp != self._root_stamp[0]:
+            _, head = _read_root(self._backend)
+            self._root_stamp = (stamp, head)
+        return self._root_stamp[1]
 
     def sync_written(self) -> None:
         """Make every version this view wrote durable; `commit` calls it, and so must each process
