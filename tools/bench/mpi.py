@@ -20,8 +20,8 @@ either system, so it is not modelled.
 
 scaling: strong scaling of the trainer (`python -m train` under mpirun, real runs). Steps per second
 of 2 ranks x batch 1 against 1 rank x batch 2 (the same global batch, hence the same parameters) on
-lund_door at a size where rasterization dominates, one thread a rank; then 8 ranks x batch 1 on the
-`tools.make_scene wall` scene, with the max/mean over ranks of each step's work read from the rank
+lund_door at a size where rasterization dominates, one thread a rank; then 8 ranks x batch 1
+(`--batch-size`) on the `tools.make_scene wall` scene, with the max/mean over ranks of each step's work read from the rank
 metrics files: CPU seconds of each rank in the compute phases (project, render, backprop, adam; the
 headline: a rank's own CPU time is its work, however the 8 ranks share the 2 cores and however long
 it waits in collectives), splats projected and rasterized, the Gaussians each rank owns, and step
@@ -314,6 +314,7 @@ class ScalingConfig:
     wide_warmup: int = 4
     wide_ranks: int = 8
     wide_max_per_block: int = 1024  # about four blocks a rank of the default wall
+    wide_batch: int = 1  # cameras per rank per step of the imbalance run
 
 
 SCALING_TARGET = 1.7
@@ -360,10 +361,11 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     store = tile(data, work / f"{data.name}-{cfg.wide_max_per_block}.zarr", cfg.wide_max_per_block)
     size = store_size(store)
     r = cfg.wide_ranks
-    print(f"\n[imbalance] {r} ranks x batch 1 on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "
+    print(f"\n[imbalance] {r} ranks x batch {cfg.wide_batch} on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "
           f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out); work counts are exact, seconds "
           f"are not ({r} ranks share {os.cpu_count()} cores)")
-    run = train(data, store, work / f"imbalance-{r}", cfg.wide_steps, "--max-eval-images", "1", ranks=r)
+    run = train(data, store, work / f"imbalance-{r}", cfg.wide_steps, "--max-eval-images", "1",
+                "--batch-size", str(cfg.wide_batch), ranks=r)
     owned = run.column("owned", 0)[:, 0]  # [R] Gaussians each rank owns (the trainer's `owned_blocks`)
     warm = cfg.wide_warmup
     rasterized = run.column("local", warm) + run.column("received", warm)  # [R, steps]
@@ -395,14 +397,19 @@ def scaling(argv: list[str]) -> int:
     p.add_argument("--work", type=Path, help="keep datasets, stores and runs here (default: a temporary folder)")
     p.add_argument("--skip", nargs="*", default=[], choices=("scaling", "imbalance"), help="parts to leave out")
     p.add_argument("--ranks", type=int, default=ScalingConfig.wide_ranks, help="ranks of the imbalance run")
+    p.add_argument("--batch-size", type=int, default=ScalingConfig.wide_batch,
+                   help="cameras per rank per step of the imbalance run")
     a = p.parse_args(argv)
     if a.ranks < 2:
         p.error("--ranks must be at least 2")
+    if a.batch_size < 1:
+        p.error("--batch-size must be at least 1")
     if not (a.data / "lund_door").is_dir():
         print(f"error: {a.data}: no lund_door folder (pass --data)", file=sys.stderr)
         return 2
     cfg = (ScalingConfig(data_factor=8, steps=8, warmup=3, repeats=1, wall=QUICK_WALL, wide_steps=5,
-                         wide_ranks=a.ranks, wide_max_per_block=256) if a.quick else ScalingConfig(wide_ranks=a.ranks))
+                         wide_ranks=a.ranks, wide_max_per_block=256, wide_batch=a.batch_size) if a.quick
+           else ScalingConfig(wide_ranks=a.ranks, wide_batch=a.batch_size))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
     with scratch(a.work) as work:
         try:
