@@ -48,7 +48,8 @@ from storage.backend import decode_json, group_doc
 from storage.codec import CodecConfig
 from storage.errors import BlockDataError, StoreCorruptError
 
-Schema = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # name -> (trailing shape, dtype)
+Schema = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # name -> (trailing shape, dtype) of [N, ...] arrays
+Shapes = Mapping[str, tuple[tuple[int, ...], np.dtype]]  # name -> (full shape, dtype) of stored arrays
 
 Parts = tuple[Any, ...]  # a file's bytes as buffers written back to back (no joining copy)
 
@@ -101,7 +102,7 @@ def write_version(
     files: dict[str, Parts] = {}
     members: dict[str, dict[str, Any]] = {}
     for name, a in arrays.items():
-        files.update(_encode_array(name, np.asarray(a), count, codec, members))
+        files.update(_encode_array(name, np.asarray(a), codec, members))
     doc = group_doc({"count": count})
     doc["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": members}
     group = json.dumps(doc).encode()
@@ -170,12 +171,12 @@ async def _put_files(zstore: ZarrStore, prefix: str, files: dict[str, Parts], gr
 
 
 def _encode_array(
-    name: str, a: np.ndarray, count: int, codec: CodecConfig, members: dict[str, dict[str, Any]]
+    name: str, a: np.ndarray, codec: CodecConfig, members: dict[str, dict[str, Any]]
 ) -> dict[str, Parts]:
     """The files of one array (its zarr.json and chunks, keyed relative to the version), and its
     metadata document added to members. Chunks split rows only; the last one is padded with the
     fill value to the full chunk shape, as zarr stores it."""
-    trailing = tuple(a.shape[1:])
+    count, trailing = a.shape[0], tuple(a.shape[1:])
     rows = min(count, codec.chunk_rows(a.dtype.itemsize * math.prod(trailing)))
     compress = codec.compresses(a)
     doc = {
@@ -211,13 +212,13 @@ def _encode_array(
 
 
 def read_version(
-    zstore: ZarrStore, prefix: str, names: Iterable[str], count: int, schema: Schema, where: str, pool: Executor
+    zstore: ZarrStore, prefix: str, names: Iterable[str], count: int, shapes: Shapes, where: str, pool: Executor
 ) -> dict[str, np.ndarray]:
     """Read the named arrays of a version whose table entry says it holds count rows; every chunk
     is fetched and decoded as its own task in pool."""
     names = list(names)
-    metas = sync(_version_metadata(zstore, prefix, count, {n: schema[n] for n in names}, where))
-    arrays = {n: _ArrayRead(f"{prefix}/{n}", metas[n], count, *schema[n], f"{where}, array {n}") for n in names}
+    metas = sync(_version_metadata(zstore, prefix, count, {n: shapes[n] for n in names}, where))
+    arrays = {n: _ArrayRead(f"{prefix}/{n}", metas[n], *shapes[n], f"{where}, array {n}") for n in names}
     chunks = [(a, i) for a in arrays.values() for i in range(len(a.keys))]
     prototype = default_buffer_prototype()
     if isinstance(zstore, LocalStore):
@@ -236,14 +237,14 @@ def read_version(
     return {n: a.out for n, a in arrays.items()}
 
 
-async def check_version(zstore: ZarrStore, prefix: str, count: int, schema: Schema, where: str) -> None:
+async def check_version(zstore: ZarrStore, prefix: str, count: int, shapes: Shapes, where: str) -> None:
     """Check that a version is complete, holds count rows, and that the metadata of every array
     agrees with the table and the schema (no chunk is read)."""
-    await _version_metadata(zstore, prefix, count, schema, where)
+    await _version_metadata(zstore, prefix, count, shapes, where)
 
 
 async def _version_metadata(
-    zstore: ZarrStore, prefix: str, count: int, schema: Schema, where: str
+    zstore: ZarrStore, prefix: str, count: int, shapes: Shapes, where: str
 ) -> dict[str, ArrayV3Metadata]:
     """The metadata of the schema's arrays, from the version group's consolidated copy (one GET
     per block instead of one per array), each checked against the table and the schema."""
@@ -258,16 +259,16 @@ async def _version_metadata(
     members = doc.get("consolidated_metadata", {}).get("metadata") if isinstance(doc, dict) else None
     if not isinstance(members, dict):
         raise StoreCorruptError(f"{where}: version group has no consolidated array metadata")
-    return {n: _array_metadata(members.get(n), count, *schema[n], f"{where}, array {n}") for n in schema}
+    return {n: _array_metadata(members.get(n), *shapes[n], f"{where}, array {n}") for n in shapes}
 
 
-def _array_metadata(doc: Any, count: int, trailing: tuple[int, ...], dtype: np.dtype, where: str) -> ArrayV3Metadata:
+def _array_metadata(doc: Any, shape: tuple[int, ...], dtype: np.dtype, where: str) -> ArrayV3Metadata:
     """An array's zarr metadata document, checked against the shape and dtype the table and schema expect."""
     if doc is None:
         raise StoreCorruptError(f"{where}: missing from the version group")
     if not isinstance(doc, dict) or doc.get("node_type") != "array" or doc.get("zarr_format") != 3:
         raise StoreCorruptError(f"{where}: not a zarr v3 array")
-    expected = [count, *trailing]
+    expected = list(shape)
     if doc.get("shape") != expected:
         raise StoreCorruptError(f"{where}: shape {doc.get('shape')!r:.60} but the block table says {expected}")
     if doc.get("data_type") != dtype.name:
@@ -278,7 +279,7 @@ def _array_metadata(doc: Any, count: int, trailing: tuple[int, ...], dtype: np.d
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise StoreCorruptError(f"{where}: unreadable zarr metadata: {e}") from e
     # Chunks split rows only, and not into absurdly many pieces.
-    if chunks[1:] != trailing or not 1 <= chunks[0] or math.ceil(count / chunks[0]) > MAX_CHUNKS:
+    if chunks[1:] != tuple(shape[1:]) or not 1 <= chunks[0] or math.ceil(shape[0] / chunks[0]) > MAX_CHUNKS:
         raise StoreCorruptError(f"{where}: chunk shape {chunks} does not split rows into at most {MAX_CHUNKS} chunks")
     return meta
 
@@ -293,13 +294,13 @@ def _parse_metadata(text: str) -> ArrayV3Metadata:
 class _ArrayRead:
     """One array being read: its chunk keys and the output its chunks decode into."""
 
-    def __init__(self, path: str, meta: ArrayV3Metadata, count: int, trailing: tuple[int, ...], dtype: np.dtype, where: str) -> None:
+    def __init__(self, path: str, meta: ArrayV3Metadata, shape: tuple[int, ...], dtype: np.dtype, where: str) -> None:
         self.meta, self.where = meta, where
-        self.out = np.empty((count, *trailing), dtype)
+        self.out = np.empty(shape, dtype)
         self.rows = meta.chunk_grid.chunk_shape[0]  # type: ignore[attr-defined]
         # No data, no chunks: zarr stores none for e.g. shN at sh_degree 0.
-        n_chunks = math.ceil(count / self.rows) if self.out.size else 0
-        self.keys = [f"{path}/{meta.encode_chunk_key((i,) + (0,) * len(trailing))}" for i in range(n_chunks)]
+        n_chunks = math.ceil(shape[0] / self.rows) if self.out.size else 0
+        self.keys = [f"{path}/{meta.encode_chunk_key((i,) + (0,) * (len(shape) - 1))}" for i in range(n_chunks)]
         self.direct = _direct_codecs(meta)
 
     def decode(self, i: int, buf: Buffer | None) -> None:

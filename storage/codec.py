@@ -15,6 +15,7 @@ BLOSC_CNAMES = ("lz4", "lz4hc", "zstd", "blosclz", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in Blosc's numbering
 # Enough rows to judge a block's compressibility; compressing it is paid on every write-back.
 SAMPLE_BYTES = 1 << 16
+_SAMPLE_RUN = 1024  # elements per sampled run: local structure (runs of zeros) stays visible
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,17 @@ class CodecConfig:
         return Blosc(cname=self.cname, clevel=self.clevel, shuffle=SHUFFLES.index(self.shuffle), blocksize=0)
 
     def _saving(self, a: np.ndarray) -> float:
-        """The fraction of bytes Blosc saves on evenly spaced rows of a (about SAMPLE_BYTES)."""
+        """The fraction of bytes Blosc saves on about SAMPLE_BYTES of a: runs of _SAMPLE_RUN
+        consecutive elements spread evenly over all of it (a block's packs put each logical array
+        in its own rows, so whole rows would sample only some of them)."""
         if self.min_saving == 0 or a.size == 0:
             return 1.0
-        step = max(1, a.nbytes // SAMPLE_BYTES)
-        sample = np.ascontiguousarray(a[::step])
+        flat = a.reshape(-1)
+        runs = max(1, SAMPLE_BYTES // (_SAMPLE_RUN * a.itemsize))
+        if flat.size > runs * _SAMPLE_RUN:
+            starts = np.linspace(0, flat.size - _SAMPLE_RUN, runs).astype(np.int64)
+            flat = np.concatenate([flat[s : s + _SAMPLE_RUN] for s in starts])
+        sample = np.ascontiguousarray(flat)
         packed = self.blosc().encode(sample)
         return 1.0 - len(packed) / sample.nbytes
 

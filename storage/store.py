@@ -39,7 +39,7 @@ from storage.errors import (
     StoreExistsError,
     StoreFormatError,
 )
-from storage.packing import layout_json, pack, pack_layout, pack_schema, packs_for, unpack
+from storage.packing import layout_json, pack, pack_layout, pack_shapes, packs_for, unpack
 from storage.schema import PARAM_NAMES, block_schema
 from storage.table import BlockInfo, Commit, check_key, check_state, parse_box
 
@@ -67,7 +67,6 @@ class Store:
         self.sh_degree: int = attrs["sh_degree"]
         self.schema: Schema = block_schema(self.sh_degree)  # the logical arrays callers read and write
         self.layout = pack_layout(self.sh_degree)
-        self._stored: Schema = pack_schema(self.layout)  # the zarr arrays of a version
         self.keep_commits = keep_commits
         self._tables: dict[int, dict[str, BlockInfo]] = {}  # generation -> table, for GC
         self._unsynced: set[str] = set()  # version prefixes written by this view and not yet fsynced
@@ -218,8 +217,8 @@ class Store:
         info = info or self.info(key)
         where = f"store {self.name}, block {key} version {info.version}"
         names = list(names)
-        packed = read_version(self._backend.zstore, _prefix(info), packs_for(self.layout, names), info.count, self._stored,
-                              where, self._backend.pool)
+        packed = read_version(self._backend.zstore, _prefix(info), packs_for(self.layout, names), info.count,
+                              pack_shapes(self.layout, info.count), where, self._backend.pool)
         return unpack(packed, self.layout, names, self.schema)
 
     def info(self, key: str) -> BlockInfo:
@@ -338,7 +337,7 @@ class Store:
         async def gather() -> None:
             await asyncio.gather(
                 *(
-                    check_version(self._backend.zstore, _prefix(i), i.count, self._stored, f"{where}, block {i.key} version {i.version}")
+                    check_version(self._backend.zstore, _prefix(i), i.count, pack_shapes(self.layout, i.count), f"{where}, block {i.key} version {i.version}")
                     for i in infos
                 )
             )

@@ -79,7 +79,13 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
             # every phase of the step is timed, and the phases add up to no more than the step
             assert phases <= line.keys() and all(line[p] >= 0 for p in phases)
             assert sum(line[p] for p in phases) <= line["seconds"] + 1e-3
+            # the CPU seconds of a phase are the rank's own work in it: never more than its wall
+            # time (one compute thread a rank), never negative
+            assert all(0 <= line["cpu" + p[1:]] <= line[p] + 2e-3 for p in phases)
             assert line["bytes_sent"] > 0 and line["received"] + line["local"] > 0
+    # the regions hold every Gaussian of the store once
+    owned = [json.loads(next(l for l in p.read_text().splitlines() if '"train"' in l))["owned"] for p in rank_logs]
+    assert sum(owned) == sum(i.count for i in Store.open(lund_store, mode="r").table.values())
 
 
 def test_each_camera_rasterizes_exactly_the_single_process_splats(shared_data, lund_store, tmp_path):

@@ -121,14 +121,14 @@ def test_plain_zarr_reads_the_store(tmp_path: Path, garden: dict) -> None:
     assert root.attrs["head"] == g and root.attrs["sh_degree"] == 3 and root.attrs["octree"] == {"max_per_block": 1000}
     table = root[f"commits/{g}"].attrs["blocks"]
     assert [BlockInfo.from_json(e) for e in table] == [info]
-    # The column map in the root attributes is all a plain zarr user needs to find an array.
+    # The row map in the root attributes is all a plain zarr user needs to find an array.
     layout = root.attrs["layout"]
-    lo, hi = layout["params"]["columns"]["means"]
-    means = root[f"blocks/{key}/{info.version}/params"][:, lo:hi]
+    lo, hi = layout["params"]["rows"]["means"]
+    means = root[f"blocks/{key}/{info.version}/params"][lo:hi].reshape(-1, 3)
     assert np.array_equal(means, garden[key][0]["means"])
-    lo, hi = layout["state"]["columns"]["exp_avg_sq_shN"]
+    lo, hi = layout["state"]["rows"]["exp_avg_sq_shN"]
     state = root[f"blocks/{key}/{info.version}/state"]
-    assert np.array_equal(state[:, lo:hi].reshape(-1, 15, 3), garden[key][0]["exp_avg_sq_shN"])
+    assert np.array_equal(state[lo:hi].reshape(-1, 15, 3), garden[key][0]["exp_avg_sq_shN"])
     assert state.compressors  # compressed, as configured
     assert "blocks" in dict(root.groups()) and "commits" in dict(root.groups())
 
@@ -349,13 +349,13 @@ def test_a_version_is_three_packed_arrays(tmp_path: Path) -> None:
     version = tmp_path / "s.zarr" / "blocks" / "1-3" / str(info.version)
     files = sorted(str(p.relative_to(version)) for p in version.rglob("*") if p.is_file())
     assert files == sorted(["zarr.json"] + [f"{a}/{f}" for a in ("params", "state", "counters") for f in ("zarr.json", "c.0.0")])
-    columns = {n: c for doc in store.attrs["layout"].values() for n, c in doc["columns"].items()}
-    assert set(columns) == set(arrays)
+    rows = {n: r for doc in store.attrs["layout"].values() for n, r in doc["rows"].items()}
+    assert set(rows) == set(arrays)
     group = zarr.open_group(version, mode="r")
     for name, a in arrays.items():
-        pack_name = next(p for p, doc in store.attrs["layout"].items() if name in doc["columns"])
-        lo, hi = columns[name]
-        np.testing.assert_array_equal(group[pack_name][:, lo:hi].reshape(a.shape), a)
+        pack_name = next(p for p, doc in store.attrs["layout"].items() if name in doc["rows"])
+        lo, hi = rows[name]
+        np.testing.assert_array_equal(group[pack_name][lo:hi].reshape(a.shape), a)
 
 
 @pytest.mark.parametrize("codec", [CodecConfig(), CodecConfig(min_saving=0)], ids=["raw-where-noise", "lz4"])

@@ -75,7 +75,7 @@ CASES = {
     "missing chunk": ("raw", lambda r: chunk(r, "1-0", "state").unlink(), StoreCorruptError, ["1-0", "state", "missing"], "read"),
     "wrong shape": (
         "raw",
-        lambda r: edit_array_meta(r, "1-0", "params", lambda d: d.update(shape=[ROWS, 8])),
+        lambda r: edit_array_meta(r, "1-0", "params", lambda d: d.update(shape=[8, ROWS])),
         StoreCorruptError,
         ["1-0", "params", "shape"],
         "open",
@@ -140,7 +140,7 @@ CASES = {
     ),
     "layout not this format's": (
         "raw",
-        lambda r: edit_json(r / "zarr.json", lambda d: d["attributes"]["layout"]["params"]["columns"]["means"].reverse()),
+        lambda r: edit_json(r / "zarr.json", lambda d: d["attributes"]["layout"]["params"]["rows"]["means"].reverse()),
         StoreFormatError,
         ["layout", "sh_degree 1"],
         "open",

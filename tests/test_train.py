@@ -176,3 +176,25 @@ def test_export_then_tile_round_trips_bit_for_bit(wall, tmp_path):
     order_b = np.lexsort(rb["means"].T)
     for name in ra:
         np.testing.assert_array_equal(ra[name][order_a], rb[name][order_b], err_msg=name)
+
+
+def test_regions_cover_every_block_once_and_balance_viewed_work(wall):
+    """Ownership: R contiguous Morton ranges that together hold every block exactly once, balanced
+    by what owning costs (Gaussians x training cameras that see them) better than by count."""
+    from octree.partition import partition, region_weights
+    from train.region import Region, ownership_weights
+    from train.trainer import load_cameras, owned_blocks
+
+    data, store_path = wall
+    store = Store.open(store_path, mode="r")
+    cameras = load_cameras(_config(data, store_path, Path("unused")), store).train
+    everything = Region.from_table(store.table)
+    work = ownership_weights(everything.counts, everything.extents, cameras)
+    assert (work <= everything.counts * len(cameras)).all() and work.sum() > 0
+    for ranks in (2, 4, 8):
+        regions = [owned_blocks(store.table, r, ranks, cameras) for r in range(ranks)]
+        assert sum(regions, []) == everything.keys  # contiguous, in Morton order, each block once
+        bounds = np.cumsum([0] + [len(r) for r in regions])
+        by_work = region_weights(work, bounds)
+        by_count = region_weights(work, partition(everything.counts.astype(np.float64), ranks))
+        assert by_work.max() / by_work.mean() <= by_count.max() / by_count.mean() + 1e-9

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from plyfile import PlyData, PlyElement
 
-from storage import Store
+from storage import Store, StoreError
 from storage.schema import bytes_per_gaussian
 from train.config import TrainConfig
 from train.data import DataConfig, load_scene
@@ -190,7 +190,10 @@ class StoreSize:
 
 
 def store_size(store: Path) -> StoreSize:
-    s = Store.open(store, mode="r", verify="table")
+    try:
+        s = Store.open(store, mode="r", verify="table")
+    except StoreError as e:  # e.g. a store an older OctoSplat left in --work
+        raise BenchError(f"{e} (remove it, or pass another --work)") from e
     n = sum(info.count for info in s.table.values())
     return StoreSize(n, len(s.table), n * bytes_per_gaussian(s.sh_degree))
 
