@@ -374,3 +374,28 @@ def test_rewriting_an_uncommitted_version_in_place(tmp_path: Path, codec: CodecC
     store.commit({"1-0": info})
     reopened = Store.open(tmp_path / "s.zarr", verify="data")
     assert block_digest(reopened.read_block("1-0"), 1) == block_digest(noisy, 1)
+
+
+@pytest.mark.parametrize("sh_degree", [0, 3])
+def test_packs_hold_the_arrays_back_to_back_and_unpack_without_copies(sh_degree: int) -> None:
+    from storage.packing import pack_layout, pack_shapes, unpack
+    from storage.schema import block_schema
+
+    rng = np.random.default_rng(13)
+    schema, layout = block_schema(sh_degree), pack_layout(sh_degree)
+    arrays = random_block(rng, 37, sh_degree)
+    packed = pack(arrays, layout, 37)
+    assert {k: (v.shape, v.dtype) for k, v in packed.items()} == pack_shapes(layout, 37)
+    # every pack is its arrays' bytes one after another, in the layout's order
+    for name, (dtype, rows) in layout.items():
+        flat = np.concatenate([arrays[n].reshape(-1) for n in rows])
+        assert packed[name].dtype == dtype and np.array_equal(packed[name].reshape(-1), flat)
+    out = unpack(packed, layout, list(schema), schema)
+    assert block_digest(out, sh_degree) == block_digest(arrays, sh_degree)
+    for name, a in out.items():
+        # views: contiguous, writable, and writing one changes the pack (the cache steps them in place)
+        home = packed[next(p for p, (_, r) in layout.items() if name in r)]
+        assert a.flags.c_contiguous and a.flags.writeable and (a.size == 0 or np.shares_memory(a, home))
+    out["opacities"][5] = 123.0
+    lo, _ = layout["params"][1]["opacities"]
+    assert packed["params"].reshape(-1)[lo * 37 + 5] == 123.0
