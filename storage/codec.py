@@ -13,7 +13,7 @@ from storage.errors import StoreFormatError
 
 BLOSC_CNAMES = ("lz4", "lz4hc", "zstd", "blosclz", "zlib")
 SHUFFLES = ("noshuffle", "shuffle", "bitshuffle")  # in Blosc's numbering
-# Enough rows to judge a block's compressibility; compressing it is paid on every write-back.
+# Enough bytes to judge an array's compressibility; compressing the sample is paid on every write-back.
 SAMPLE_BYTES = 1 << 16
 _SAMPLE_RUN = 1024  # elements per sampled run: local structure (runs of zeros) stays visible
 

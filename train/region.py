@@ -55,4 +55,3 @@ def ownership_weights(counts: np.ndarray, extents: np.ndarray, cameras: list[Cam
     for c in cameras:
         seen += frustum_cull(extents, c.viewmat, c.K, c.width, c.height)
     return weights * seen if seen.any() else weights
-

@@ -234,8 +234,8 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                     log.write("skipped", step, reason="non-finite loss or gradient")
                     bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
                 if step % cfg.log_every == 0 or step == end:
-                    log.write("train", step, loss=last.loss, psnr=last.psnr, owned=int(region.counts.sum()), blocks=last.blocks,
-                              projected=last.projected, local=last.local, received=last.received,
+                    log.write("train", step, loss=last.loss, psnr=last.psnr, owned=int(region.counts.sum()),
+                              blocks=last.blocks, projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
                               **{f"t_{phase}": round(t, 5) for phase, t in last.timings.items()},
                               **{f"cpu_{phase}": round(t, 5) for phase, t in last.cpu.items()},
