@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from octree import build_octree, extent_boxes, frustum_cull, partition
-from storage import Store
 from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, make_wall, ratio,
                                run_means, scratch, store_size, tile, train, warm_images)
 from tools.city import CityConfig, CityError, generate_city
