@@ -11,7 +11,8 @@ import torch
 from train.camera import Camera
 from train.render import RenderError, Splats2D, rasterize
 from train.render.cpu.binning import bin_tiles
-from train.render.cpu.ellipse import splat_records
+from train.render.cpu import kernels
+from train.render.cpu.ellipse import CA, CB, CC, DEGENERATE, HALF_X, HALF_Y, MX, MY, splat_records, tile_box
 from train.render.reference import rasterize_dense
 from train.render.semantics import ALPHA_MIN, RADIUS_SIGMAS
 from train.render.visibility import tile_visibility
@@ -91,6 +92,48 @@ def assert_matches_reference(splats: Splats2D, width: int, height: int) -> None:
 @pytest.mark.parametrize("width,height,m", [(45, 37, 300), (64, 48, 200), (17, 33, 60), (1, 1, 20), (16, 1, 30)])
 def test_matches_dense_reference(width, height, m):
     assert_matches_reference(random_splats(m, width, height, seed=width * 31 + height), width, height)
+
+
+def shaped(splats: Splats2D, major: float, minor: float, seed: int) -> Splats2D:
+    """The same splats with covariances of the given axis lengths (pixels) at random angles."""
+    gen = torch.Generator().manual_seed(seed)
+    angle = torch.rand(len(splats.ids), generator=gen, dtype=torch.float64) * math.pi
+    rot = torch.stack([torch.cos(angle), -torch.sin(angle), torch.sin(angle), torch.cos(angle)], -1).view(-1, 2, 2)
+    cov = rot @ torch.diag(torch.tensor([major ** 2, minor ** 2], dtype=torch.float64)) @ rot.transpose(1, 2)
+    inv = torch.linalg.inv(cov)
+    conics = torch.stack([inv[:, 0, 0], inv[:, 0, 1], inv[:, 1, 1]], -1)
+    return replace(splats, conics=conics.float(), radii=support_radii(conics, splats.opacities))
+
+
+def stepped_fraction(splats: Splats2D, width: int, height: int) -> float:
+    """The share of (splat, half tile) boxes whose exp(-sigma) the kernels step down the rows."""
+    arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
+    bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), width, height)
+    stepped = total = 0
+    for tile in range(len(bins.offsets) - 1):
+        x0, y0 = tile % bins.tiles_x * 16, tile // bins.tiles_x * 16
+        w, h = min(16, width - x0), min(16, height - y0)
+        for g in bins.gids[bins.offsets[tile]:bins.offsets[tile + 1]]:
+            r = bins.records[g]
+            mx, my = r[MX] - np.float32(x0), r[MY] - np.float32(y0)
+            xa, xb, ya, yb = tile_box(r[HALF_X], r[HALF_Y], mx, my, w, h)
+            for half in range(xa // 8, (xb + 7) // 8):
+                total += 1
+                stepped += kernels._steps_safely(r[HALF_Y] < DEGENERATE, r[CA], r[CB], r[CC], mx, my, half, ya, yb)
+    return stepped / total
+
+
+def test_stepped_and_evaluated_exponentials_match_the_reference():
+    """Wide round splats take the path that steps exp(-sigma) down the rows; thin needles at any
+    angle (sigma in their box reaches thousands) evaluate it per pixel. Both, and both mixed in one
+    image, match the reference."""
+    base = random_splats(120, 48, 40, seed=21, opacity_max=0.6)
+    round_, needles = shaped(base, 6.0, 5.0, seed=1), shaped(base, 12.0, 0.4, seed=2)
+    assert stepped_fraction(round_, 48, 40) > 0.95
+    assert stepped_fraction(needles, 48, 40) < 0.2
+    assert_matches_reference(round_, 48, 40)
+    assert_matches_reference(needles, 48, 40)
+    assert_matches_reference(Splats2D.cat([round_, needles]), 48, 40)
 
 
 def test_saturated_pixels_stop_like_the_reference():
@@ -186,7 +229,7 @@ def test_visibility_scan_matches_the_kernel():
     arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
     bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), 50, 40)
     contributed, sat_depth = tile_visibility(splats.means2d, splats.conics, splats.opacities, splats.depths,
-                                             torch.from_numpy(bins.offsets), torch.from_numpy(bins.gids), 50, 40)
+                                             torch.from_numpy(bins.offsets), torch.from_numpy(bins.rows()), 50, 40)
     assert torch.equal(contributed, out.contributed)
     assert torch.equal(sat_depth, out.sat_depth)
 
@@ -205,7 +248,7 @@ def test_backward_state_does_not_grow_with_pixels_times_splats():
     splats = leaves(random_splats(m, size, size, seed=8, size=8.0), torch.float32)
     out = rasterize(splats, camera(size, size), BACKGROUND)
     state = out.rgb.grad_fn.state
-    n_isects = state[1].n_isects
+    n_isects = state[0].n_isects
     assert n_isects > m
     tiles = (size // 16) ** 2
     assert held_bytes(state) <= 96 * m + 16 * n_isects + 8 * size * size + 16 * (tiles + 1) + 12

@@ -4,6 +4,11 @@ Candidates are the tiles of gsplat's radius box (`isect_tiles`), kept only if th
 ellipse reaches one of the tile's pixel centres; that drops about a fifth of the box's tiles and
 changes no pixel. Lists are ordered by depth, as gsplat's sort of (tile, depth) keys does, but
 with ties broken by the splats' contents instead of their row (see `_TIE_FIELDS`).
+
+The records are first permuted into depth order, and everything after works on that copy: the
+tile sort then reads its candidates as one stream (in row order it missed the cache once per
+splat: 12 of the binning's 16 ms at 50k splats), and each tile's list reads records at rising
+addresses.
 """
 from __future__ import annotations
 
@@ -21,25 +26,40 @@ from train.render.semantics import TILE_SIZE
 @dataclass
 class Bins:
     offsets: np.ndarray  # [tiles_x * tiles_y + 1] int64, tile t's list is gids[offsets[t]:offsets[t + 1]]
-    gids: np.ndarray  # [n_isects] int32 rows of the splat records, depth-sorted within a tile
+    gids: np.ndarray  # [n_isects] int32 rows of `records`, ascending (front to back) within a tile
     tiles_x: int
     tiles_y: int
-    order: np.ndarray  # [M] int32 the splats by depth
-    hit_starts: np.ndarray  # [M + 1] int64: splat order[i]'s intersections are
-    hit_slots: np.ndarray  # [n_isects] int64     gids[hit_slots[hit_starts[i]:hit_starts[i + 1]]]
+    order: np.ndarray  # [M] int32: records[i] is the input's row order[i]
+    records: np.ndarray  # [M, RECORD] float32 the input's records in depth order
+    hit_starts: np.ndarray  # [M + 1] int64: records[i]'s intersections are
+    hit_slots: np.ndarray  # [n_isects] int64   gids[hit_slots[hit_starts[i]:hit_starts[i + 1]]]
 
     @property
     def n_isects(self) -> int:
         return len(self.gids)
 
+    def rows(self) -> np.ndarray:  # [n_isects] int64 the tile lists as rows of the input
+        return self.order[self.gids].astype(np.int64)
+
+    def to_rows(self, per_record: np.ndarray) -> np.ndarray:  # [M, ...] in depth order -> input row order
+        out = np.empty_like(per_record)
+        out[self.order] = per_record
+        return out
+
 
 @njit(parallel=True, cache=True)
-def _candidate_boxes(records, radii, tiles_x, tiles_y):  # -> [M, 4] int64 tx0, tx1, ty0, ty1; [M] sizes
-    """gsplat's candidate tiles from the integer radii (end exclusive; empty for dead splats)."""
+def _candidate_boxes(records, radii, order, tiles_x, tiles_y):
+    """The records in depth order [M, RECORD], and gsplat's candidate tiles of each from the
+    integer radii, boxes [M, 4] int64 tx0, tx1, ty0, ty1 (end exclusive; empty for dead splats)
+    and sizes [M]. numba's parallel gather is ~5x faster than numpy's fancy indexing here."""
     m = records.shape[0]
+    ordered = np.empty_like(records)
     boxes = np.zeros((m, 4), np.int64)
     sizes = np.zeros(m, np.int64)
-    for g in prange(m):
+    for i in prange(m):
+        g = order[i]
+        for col in range(records.shape[1]):
+            ordered[i, col] = records[g, col]
         rx, ry = radii[g, 0], radii[g, 1]
         if rx <= 0 or ry <= 0 or records[g, LEVEL] < 0.0:
             continue
@@ -48,9 +68,9 @@ def _candidate_boxes(records, radii, tiles_x, tiles_y):  # -> [M, 4] int64 tx0, 
         tx1 = min(max(0, int(np.ceil((mx + rx) / TILE_SIZE))), tiles_x)
         ty0 = min(max(0, int(np.floor((my - ry) / TILE_SIZE))), tiles_y)
         ty1 = min(max(0, int(np.ceil((my + ry) / TILE_SIZE))), tiles_y)
-        boxes[g, 0], boxes[g, 1], boxes[g, 2], boxes[g, 3] = tx0, tx1, ty0, ty1
-        sizes[g] = (tx1 - tx0) * (ty1 - ty0)
-    return boxes, sizes
+        boxes[i, 0], boxes[i, 1], boxes[i, 2], boxes[i, 3] = tx0, tx1, ty0, ty1
+        sizes[i] = (tx1 - tx0) * (ty1 - ty0)
+    return ordered, boxes, sizes
 
 
 # Ties in depth are broken by these record fields, not by row: the order then does not depend on
@@ -99,7 +119,7 @@ def _argsort_depth(records):  # [M, RECORD] -> [M] int32: by depth, then by `_TI
 @njit(parallel=True, cache=True)
 def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
     """Write each candidate tile's id, or -1 where the support ellipse misses every pixel centre of
-    the tile, into the splat's slots from `starts` (row order: memory is read as a stream)."""
+    the tile, into record g's slots from starts[g] (memory is written as one stream)."""
     for g in prange(records.shape[0]):
         rec = records[g]
         mx, my, level = rec[MX], rec[MY], rec[LEVEL]
@@ -118,10 +138,11 @@ def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
 
 
 @njit(cache=True)
-def _sort_by_tile(candidates, starts, order, n_tiles):
-    """Stable counting sort of the hits by tile, visiting splats in depth order. Also returns, for
-    the splats in depth order, where each one's hits landed (hit_starts, hit_slots), which is how
-    the backward pass sums a splat's gradient rows."""
+def _sort_by_tile(candidates, starts, n_tiles):
+    """Stable counting sort of the hits by tile; record i's candidates are candidates[starts[i]:
+    starts[i + 1]] and records are in depth order, so each list comes out front to back. Also
+    returns where each record's hits landed (hit_starts, hit_slots), which is how the backward
+    pass sums a splat's gradient rows."""
     counts = np.zeros(n_tiles + 1, np.int64)
     for t in candidates:
         if t >= 0:
@@ -130,14 +151,13 @@ def _sort_by_tile(candidates, starts, order, n_tiles):
     cursor = offsets[:-1].copy()
     gids = np.empty(offsets[-1], np.int32)
     hit_slots = np.empty(offsets[-1], np.int64)
-    hit_starts = np.zeros(order.size + 1, np.int64)
+    hit_starts = np.zeros(starts.size, np.int64)
     n = 0
-    for i in range(order.size):
-        g = order[i]
-        for j in range(starts[g], starts[g + 1]):
+    for i in range(starts.size - 1):
+        for j in range(starts[i], starts[i + 1]):
             t = candidates[j]
             if t >= 0:
-                gids[cursor[t]] = g
+                gids[cursor[t]] = i
                 hit_slots[n] = cursor[t]
                 cursor[t] += 1
                 n += 1
@@ -149,11 +169,11 @@ def bin_tiles(records: np.ndarray, radii: np.ndarray, width: int, height: int) -
     """records [M, 16] from `splat_records`, radii [M, 2] int32."""
     tiles_x = -(-width // TILE_SIZE)
     tiles_y = -(-height // TILE_SIZE)
-    boxes, sizes = _candidate_boxes(records, radii, tiles_x, tiles_y)
+    order = _argsort_depth(records)
+    records, boxes, sizes = _candidate_boxes(records, radii, order, tiles_x, tiles_y)
     starts = np.zeros(len(records) + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
     candidates = np.empty(starts[-1], np.int32)
     _test_boxes(records, boxes, starts, width, height, tiles_x, candidates)
-    order = _argsort_depth(records)
-    offsets, gids, hit_starts, hit_slots = _sort_by_tile(candidates, starts, order, tiles_x * tiles_y)
-    return Bins(offsets, gids, tiles_x, tiles_y, order, hit_starts, hit_slots)
+    offsets, gids, hit_starts, hit_slots = _sort_by_tile(candidates, starts, tiles_x * tiles_y)
+    return Bins(offsets, gids, tiles_x, tiles_y, order, records, hit_starts, hit_slots)

@@ -14,7 +14,9 @@ from numba import njit, prange
 from train.render.semantics import ALPHA_MIN
 
 # Columns of the per-splat record the kernels gather per tile (float32, one 64-byte row a splat).
-MX, MY, CA, CB, CC, OPACITY, RED, GREEN, BLUE, DEPTH, LEVEL, HALF_X, HALF_Y, INV_A, INV_C = range(15)
+# THRESHOLD is ln(255 o): alpha passes 1/255 exactly where sigma <= THRESHOLD. LEVEL is THRESHOLD
+# widened, for the bounds (binning, boxes).
+MX, MY, CA, CB, CC, OPACITY, RED, GREEN, BLUE, DEPTH, LEVEL, HALF_X, HALF_Y, INV_A, INV_C, THRESHOLD = range(16)
 RECORD = 16
 DEGENERATE = np.float32(1e30)  # HALF_Y of a splat whose conic is not positive definite: no bound
 _WIDEN_REL, _WIDEN_ABS = 1e-3, 1e-3
@@ -38,7 +40,9 @@ def splat_records(means2d, conics, opacities, colors, depths):  # [M,2],[M,3],[M
             rec[g, HALF_X] = -1.0
             rec[g, HALF_Y] = -1.0
             continue
-        level = math.log(255.0 * o) * (1.0 + _WIDEN_REL) + _WIDEN_ABS
+        threshold = math.log(float(o) / ALPHA_MIN)
+        rec[g, THRESHOLD] = threshold
+        level = threshold * (1.0 + _WIDEN_REL) + _WIDEN_ABS
         rec[g, LEVEL] = level
         det = float(a) * float(c) - float(b) * float(b)
         if a > 0.0 and det > 0.0:

@@ -26,6 +26,7 @@ class _Rasterize(torch.autograd.Function):
                 depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor):
         records = splat_records(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths))
         bins = bin_tiles(records, radii.detach().to(torch.int32).contiguous().numpy(), width, height)
+        records = bins.records  # in depth order: the kernels index these, and results map back by bins.order
         bg = _array(background)
         rgb = np.empty((height, width, 3), np.float32)
         t_final = np.empty((height, width), np.float32)
@@ -34,10 +35,10 @@ class _Rasterize(torch.autograd.Function):
         tile_end = np.empty(bins.tiles_x * bins.tiles_y, np.int32)
         contributed = np.zeros(len(records), np.uint8)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
-            kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x,
+            kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x, kernels.LANES,
                             rgb, t_final, stop, sat_depth, tile_end, contributed)
-        ctx.state = (records, bins, bg, t_final, stop, tile_end, width, height)
-        contributed_t = torch.from_numpy(contributed).to(torch.bool)
+        ctx.state = (bins, bg, t_final, stop, tile_end, width, height)
+        contributed_t = torch.from_numpy(bins.to_rows(contributed)).to(torch.bool)
         sat_t = torch.from_numpy(sat_depth)
         ctx.mark_non_differentiable(contributed_t, sat_t)
         alpha = torch.from_numpy(1.0 - t_final)[..., None]
@@ -45,13 +46,13 @@ class _Rasterize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
-        records, bins, bg, t_final, stop, tile_end, width, height = ctx.state
+        bins, bg, t_final, stop, tile_end, width, height = ctx.state
         grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
-            kernels.backward(bins.offsets, bins.gids, records, bg, width, height,
-                             bins.tiles_x, t_final, stop, tile_end, _array(v_rgb), _array(v_alpha[..., 0]), grads)
-        per_splat = kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order, len(records))
-        per_splat = torch.from_numpy(per_splat)
+            kernels.backward(bins.offsets, bins.gids, bins.records, bg, width, height,
+                             bins.tiles_x, kernels.LANES, t_final, stop, tile_end, _array(v_rgb),
+                             _array(v_alpha[..., 0]), grads)
+        per_splat = torch.from_numpy(kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order))
         return (*unpack_grads(per_splat), None, None, None, None, None)
 
 

@@ -10,10 +10,23 @@ back to front from its last contributor, dividing each pixel's transmittance out
 kernel does and skipping splats at or behind the one that terminated the pixel; it writes one
 gradient row per tile intersection, and `reduce_grads` sums them per splat.
 
+exp(-sigma) down a column: sigma is quadratic in the row, so from one row to the next exp(-sigma)
+is multiplied by a ratio that is itself multiplied by exp(-c) (c the conic's yy entry) each row.
+Both kernels step these two products instead of evaluating `exp_neg` at every pixel, which took
+the longest dependency chain out of the pixel loop. Stepping is used only where every sigma in
+the half tile's box is at most `_STEP_MAX` (then no product under- or overflows; the relative
+error after 16 rows is ~1e-5), otherwise the pixel loop evaluates the exponential. Whether a pixel
+passes the alpha test is decided on sigma itself (alpha >= 1/255 exactly where
+sigma <= ln(255 o)), so the stepped exponential's error never moves a pixel across that test.
+
 Written for the vectorizer: indices are unsigned (numba's negative-index handling on signed ones
 stops vectorization), per-pixel values compared in the loop are float32 so every lane is 32 bits,
 and a pixel's state is updated with arithmetic and selects of computed values, never a select
-that keeps a loaded value (LLVM turns that into a masked store).
+that keeps a loaded value (LLVM turns that into a masked store). All per-pixel state of a tile,
+the pixel centres included, lives in one buffer at compile-time offsets (`_X`, `_Y`, ...): LLVM
+then proves the loop's loads and stores apart by their constant distance, where separate arrays
+cost a runtime overlap check between every pair before each (splat, half tile) loop (~10% of
+the kernels' time).
 """
 from __future__ import annotations
 
@@ -21,29 +34,49 @@ import numpy as np
 from numba import njit, prange
 
 from train.render.cpu.ellipse import (
-    BLUE, CA, CB, CC, DEPTH, GREEN, HALF_X, HALF_Y, MX, MY, OPACITY, RECORD, RED, tile_box,
+    BLUE, CA, CB, CC, DEGENERATE, DEPTH, GREEN, HALF_X, HALF_Y, MX, MY, OPACITY, RECORD, RED, THRESHOLD,
+    tile_box,
 )
 from train.render.cpu.fastexp import exp_neg
 from train.render.semantics import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE_SIZE
 
 GRAD_COLS = 9  # v_mean x, y; v_conic a, b, c; v_opacity; v_color r, g, b (the wire order)
 _HALF_W = 8  # width of a half tile: the float32 lanes of an AVX2 register
+LANES = _HALF_W  # the kernels' `lanes` argument
 _HALF_PIX = _HALF_W * TILE_SIZE
 _NPIX = TILE_SIZE * TILE_SIZE
 _AMIN, _AMAX, _TMIN = np.float32(ALPHA_MIN), np.float32(ALPHA_MAX), np.float32(T_MIN)
 _ZERO, _HALF, _ONE = np.float32(0.0), np.float32(0.5), np.float32(1.0)
 _NEVER = np.float32(2.0 ** 31)  # the stop position of a pixel that never terminated
+_STEP_MAX = np.float32(64.0)  # largest sigma in a box that is stepped (exp(-64) ~ 1.6e-28 stays normal)
 
 
-def _centres() -> tuple[np.ndarray, np.ndarray]:
-    """Pixel centres (x + 0.5, y + 0.5) within a tile, per slot."""
+def _centres() -> np.ndarray:  # [2 * 256]: x + 0.5 of every slot, then y + 0.5
+    """Pixel centres within a tile, per slot."""
     slot = np.arange(_NPIX)
     x = slot // _HALF_PIX * _HALF_W + slot % _HALF_W
     y = slot % _HALF_PIX // _HALF_W
-    return (x + 0.5).astype(np.float32), (y + 0.5).astype(np.float32)
+    return np.concatenate([x + 0.5, y + 0.5]).astype(np.float32)
 
 
-_PX, _PY = _centres()
+_CENTRES = _centres()
+# Offsets of the per-pixel arrays in a tile's buffer. Both kernels: pixel centres x and y, then
+# the stepped exp(-sigma) and its row ratio (a row longer: the last row writes the next one's).
+# Forward: transmittance, colour. Backward: transmittance, colour gradient, the T_final v_alpha
+# term, the colour behind, and the list position that stopped the pixel. 256 floats each.
+_X, _Y, _E = np.uint64(0), np.uint64(_NPIX), np.uint64(2 * _NPIX)
+_Q = _E + np.uint64(_NPIX + _HALF_W)
+_T, _R, _G, _B, _TVA, _BEHIND, _STOP = (_Q + np.uint64(_NPIX + _HALF_W + i * _NPIX) for i in range(7))
+_FORWARD_BUF, _BACKWARD_BUF = int(_B) + _NPIX, int(_STOP) + _NPIX
+_ROW = np.uint64(_HALF_W)
+
+
+@njit(inline="always")
+def _tile_buffer(size):  # -> [size] float32: the pixel centres, then zeros
+    buf = np.zeros(size, np.float32)
+    for i in range(2 * _NPIX):
+        buf[i] = _CENTRES[i]
+    return buf
 
 
 @njit(inline="always")
@@ -70,10 +103,11 @@ def _gather(records, gids, start, n):  # -> [n, RECORD] the tile's splats, conti
 
 @njit(inline="always")
 def _splat(local, k, x0, y0):
-    """Record k's mean in tile coordinates, conic, opacity and colour. Records are read by index,
-    never as a row view: a view costs two atomic reference-count updates."""
+    """Record k's mean in tile coordinates, conic, opacity, colour and alpha-test level. Records are
+    read by index, never as a row view: a view costs two atomic reference-count updates."""
     return (local[k, MX] - np.float32(x0), local[k, MY] - np.float32(y0), local[k, CA], local[k, CB],
-            local[k, CC], local[k, OPACITY], local[k, RED], local[k, GREEN], local[k, BLUE])
+            local[k, CC], local[k, OPACITY], local[k, RED], local[k, GREEN], local[k, BLUE],
+            local[k, THRESHOLD])
 
 
 @njit(inline="always", fastmath=True)
@@ -81,24 +115,82 @@ def _sigma(ca, cb, cc, dx, dy):
     return _HALF * (ca * dx * dx + cc * dy * dy) + cb * dx * dy
 
 
+@njit(inline="always", fastmath=True)
+def _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
+    """Whether exp(-sigma) may be stepped down the rows [ya, yb) of a half tile: the conic is
+    positive definite (sigma convex, so its largest value on the box is at a corner) and that
+    largest value is at most _STEP_MAX."""
+    if not bounded:
+        return False
+    dx0, dx1 = mx - np.float32(half * _HALF_W + 0.5), mx - np.float32(half * _HALF_W + _HALF_W - 0.5)
+    dy0, dy1 = my - np.float32(ya + 0.5), my - np.float32(yb - 0.5)
+    return max(max(_sigma(ca, cb, cc, dx0, dy0), _sigma(ca, cb, cc, dx0, dy1)),
+               max(_sigma(ca, cb, cc, dx1, dy0), _sigma(ca, cb, cc, dx1, dy1))) <= _STEP_MAX
+
+
+@njit(inline="always", fastmath=True)
+def _first_row(buf, base, lanes, mx, my, ca, cb, cc):
+    """exp(-sigma) on the first row of a half tile's box, and its ratio to the next row's,
+    exp(sigma(y) - sigma(y + 1)) = exp(-(c / 2 - b dx - c dy)). `lanes` is 8, passed at run time
+    so that LLVM vectorizes this loop instead of unrolling it into scalar code."""
+    for q in range(lanes):
+        p = base + np.uint64(q)
+        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+        buf[_E + p] = exp_neg(_sigma(ca, cb, cc, dx, dy))
+        buf[_Q + p] = exp_neg(_HALF * cc - cb * dx - cc * dy)
+
+
+@njit(inline="always", fastmath=True)
+def _over(buf, p, sig, vis, level, o, cr, cg, cbl):  # -> (1 if the splat was blended, 1 if it ended the pixel)
+    """Blend one splat over pixel p (front to back), gsplat's rules."""
+    alpha = min(_AMAX, o * vis)
+    t = buf[_T + p]
+    ok = (sig >= _ZERO) & (sig <= level) & (t > _ZERO)
+    rest = t * (_ONE - alpha)
+    go = ok & (rest > _TMIN)
+    ends = ok & (rest <= _TMIN)
+    wgt = alpha * t if go else _ZERO
+    buf[_R + p] += wgt * cr
+    buf[_G + p] += wgt * cg
+    buf[_B + p] += wgt * cbl
+    buf[_T + p] = t * (_ONE - (alpha if go else _ZERO)) * (-_ONE if ends else _ONE)
+    return (_ONE if go else _ZERO), (_ONE if ends else _ZERO)
+
+
+@njit(inline="always", fastmath=True)
+def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma, d loss / d opacity, alpha T, c . v
+    """Take splat k back out of pixel p (back to front): restores the transmittance in front of it
+    and returns the gradients of this pixel's loss w.r.t. the splat's sigma and opacity, the
+    weight alpha T of its colour (0 if it was not blended here) and its colour dotted with the
+    pixel's colour gradient. The caller adds weight * (c . v) to the colour behind, after its
+    other uses of the weight (in that order LLVM keeps the store unmasked)."""
+    alpha = min(_AMAX, o * vis)
+    ok = (sig >= _ZERO) & (sig <= level) & (kf < buf[_STOP + p])
+    ra = _ONE / (_ONE - alpha)
+    t = buf[_T + p] * (ra if ok else _ONE)  # transmittance in front of splat k
+    buf[_T + p] = t
+    c_dot_v = cr * buf[_R + p] + cg * buf[_G + p] + cbl * buf[_B + p]
+    v_alpha_k = t * c_dot_v + ra * (buf[_TVA + p] - buf[_BEHIND + p])
+    unclamped = ok & (o * vis <= _AMAX)
+    fac = alpha * t if ok else _ZERO
+    return (-o * vis * v_alpha_k if unclamped else _ZERO), (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def forward(offsets, gids, records, background, width, height, tiles_x,
+def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
             rgb, t_final, stop, sat_depth, tile_end, contributed):
     """Composite every tile; writes rgb [H,W,3], t_final [H,W] (transmittance left), stop [H,W]
     (list position of the splat that terminated the pixel, -1 if none), sat_depth [H,W] (only
     where a splat terminated the pixel), tile_end [tiles] (list position of the tile's last
-    contributor, -1 if none) and contributed [M] (uint8)."""
+    contributor, -1 if none) and contributed [M] (uint8). lanes: 8 (see `_first_row`)."""
     for tile in prange(offsets.size - 1):
         start, n = offsets[tile], offsets[tile + 1] - offsets[tile]
         x0, y0, w, h = _tile_geometry(tile, tiles_x, width, height)
-        # Positive while live, negated once terminated, 0 outside the image (never composited).
-        trans = np.zeros(_NPIX, np.float32)
+        buf = _tile_buffer(_FORWARD_BUF)
+        # Transmittance: positive while live, negated once terminated, 0 outside the image.
         for yy in range(h):
             for xx in range(w):
-                trans[_slot(xx, yy)] = _ONE
-        red = np.zeros(_NPIX, np.float32)
-        green = np.zeros(_NPIX, np.float32)
-        blue = np.zeros(_NPIX, np.float32)
+                buf[_T + np.uint64(_slot(xx, yy))] = _ONE
         stop_at = np.full(_NPIX, -1, np.int32)
         local = _gather(records, gids, start, n)
         done, npix, k_end = _ZERO, np.float32(w * h), -1
@@ -107,27 +199,32 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
                 break
             if local[k, HALF_Y] < _ZERO:
                 continue
-            mx, my, ca, cb, cc, o, cr, cg, cbl = _splat(local, k, x0, y0)
+            mx, my, ca, cb, cc, o, cr, cg, cbl, level = _splat(local, k, x0, y0)
+            bounded = local[k, HALF_Y] < DEGENERATE
             used, stopped = _ZERO, _ZERO
             xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
-                for q in range((yb - ya) * _HALF_W):
-                    p = base + np.uint64(q)
-                    dx, dy = mx - _PX[p], my - _PY[p]
-                    sig = _sigma(ca, cb, cc, dx, dy)
-                    alpha = min(_AMAX, o * exp_neg(sig))
-                    t = trans[p]
-                    ok = (sig >= _ZERO) & (alpha >= _AMIN) & (t > _ZERO)
-                    go = ok & (t * (_ONE - alpha) > _TMIN)
-                    ends = ok & (t * (_ONE - alpha) <= _TMIN)
-                    wgt = alpha * t if go else _ZERO
-                    red[p] += wgt * cr
-                    green[p] += wgt * cg
-                    blue[p] += wgt * cbl
-                    trans[p] = t * (_ONE - (alpha if go else _ZERO)) * (-_ONE if ends else _ONE)
-                    used += _ONE if go else _ZERO
-                    stopped += _ONE if ends else _ZERO
+                if _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
+                    step = exp_neg(cc)
+                    _first_row(buf, base, lanes, mx, my, ca, cb, cc)
+                    for q in range((yb - ya) * _HALF_W):
+                        p = base + np.uint64(q)
+                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+                        vis, ratio = buf[_E + p], buf[_Q + p]
+                        buf[_E + p + _ROW] = vis * ratio
+                        buf[_Q + p + _ROW] = ratio * step
+                        u, e = _over(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, o, cr, cg, cbl)
+                        used += u
+                        stopped += e
+                else:
+                    for q in range((yb - ya) * _HALF_W):
+                        p = base + np.uint64(q)
+                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+                        sig = _sigma(ca, cb, cc, dx, dy)
+                        u, e = _over(buf, p, sig, exp_neg(sig), level, o, cr, cg, cbl)
+                        used += u
+                        stopped += e
             if used > _ZERO:
                 contributed[gids[start + k]] = 1
                 k_end = k
@@ -135,19 +232,19 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
                 # Rare (once per pixel at most), so kept out of the vector loop: a conditional
                 # store there compiles to a masked store, which is slow on AMD cores.
                 for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
-                    base = half * _HALF_PIX + ya * _HALF_W
-                    for p in range(base, base + (yb - ya) * _HALF_W):
-                        if trans[p] < _ZERO and stop_at[p] < 0:
+                    base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
+                    for p in range(base, base + np.uint64((yb - ya) * _HALF_W)):
+                        if buf[_T + p] < _ZERO and stop_at[p] < 0:
                             stop_at[p] = k
                 done += stopped
         tile_end[tile] = k_end
         for yy in range(h):
             for xx in range(w):
                 p = _slot(xx, yy)
-                t = abs(trans[p])
-                rgb[y0 + yy, x0 + xx, 0] = red[p] + t * background[0]
-                rgb[y0 + yy, x0 + xx, 1] = green[p] + t * background[1]
-                rgb[y0 + yy, x0 + xx, 2] = blue[p] + t * background[2]
+                t = abs(buf[_T + np.uint64(p)])
+                rgb[y0 + yy, x0 + xx, 0] = buf[_R + np.uint64(p)] + t * background[0]
+                rgb[y0 + yy, x0 + xx, 1] = buf[_G + np.uint64(p)] + t * background[1]
+                rgb[y0 + yy, x0 + xx, 2] = buf[_B + np.uint64(p)] + t * background[2]
                 t_final[y0 + yy, x0 + xx] = t
                 stop[y0 + yy, x0 + xx] = stop_at[p]
                 if stop_at[p] >= 0:
@@ -155,7 +252,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x,
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def backward(offsets, gids, records, background, width, height, tiles_x,
+def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
              t_final, stop, tile_end, v_rgb, v_alpha, grads):
     """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
     (rows of entries past a tile's last contributor are left as they are: zero). Rows are written
@@ -165,34 +262,32 @@ def backward(offsets, gids, records, background, width, height, tiles_x,
     With T_k the transmittance in front of splat k, c_k its colour, v the pixel's colour gradient
     and B_k = sum_{j > k} alpha_j T_j (c_j . v) + T_final (background . v), gsplat's
     d loss / d alpha_k is T_k (c_k . v) - (B_k - T_final v_alpha) / (1 - alpha_k); the pixel keeps
-    B in one float (`behind`) instead of a colour, and T_final v_alpha - T_final (background . v)
-    in another (`t_v_alpha`)."""
+    B in one float (`_BEHIND`) instead of a colour, and T_final v_alpha - T_final (background . v)
+    in another (`_TVA`)."""
     for tile in prange(offsets.size - 1):
         start = offsets[tile]
         x0, y0, w, h = _tile_geometry(tile, tiles_x, width, height)
-        trans = np.zeros(_NPIX, np.float32)
-        v_r = np.zeros(_NPIX, np.float32)
-        v_g = np.zeros(_NPIX, np.float32)
-        v_b = np.zeros(_NPIX, np.float32)
-        t_v_alpha = np.zeros(_NPIX, np.float32)
-        behind = np.zeros(_NPIX, np.float32)
-        stop_at = np.full(_NPIX, _NEVER, np.float32)  # float32 so the vector loop compares 32-bit lanes
+        buf = _tile_buffer(_BACKWARD_BUF)
+        for p in range(_STOP, _STOP + np.uint64(_NPIX)):
+            buf[p] = _NEVER  # the stop position is float32 so the vector loop compares 32-bit lanes
         k_end = tile_end[tile]
         for yy in range(h):
             for xx in range(w):
-                p = _slot(xx, yy)
+                p = np.uint64(_slot(xx, yy))
                 y, x = y0 + yy, x0 + xx
-                trans[p] = t_final[y, x]
-                v_r[p], v_g[p], v_b[p] = v_rgb[y, x, 0], v_rgb[y, x, 1], v_rgb[y, x, 2]
-                t_v_alpha[p] = t_final[y, x] * (v_alpha[y, x] - (background[0] * v_r[p] + background[1] * v_g[p]
-                                                                 + background[2] * v_b[p]))
+                vr, vg, vb = v_rgb[y, x, 0], v_rgb[y, x, 1], v_rgb[y, x, 2]
+                buf[_T + p] = t_final[y, x]
+                buf[_R + p], buf[_G + p], buf[_B + p] = vr, vg, vb
+                buf[_TVA + p] = t_final[y, x] * (v_alpha[y, x] - (background[0] * vr + background[1] * vg
+                                                                  + background[2] * vb))
                 if stop[y, x] >= 0:
-                    stop_at[p] = np.float32(stop[y, x])
+                    buf[_STOP + p] = np.float32(stop[y, x])
         local = _gather(records, gids, start, k_end + 1)
         for k in range(k_end, -1, -1):
             if local[k, HALF_Y] < _ZERO:
                 continue
-            mx, my, ca, cb, cc, o, cr, cg, cbl = _splat(local, k, x0, y0)
+            mx, my, ca, cb, cc, o, cr, cg, cbl, level = _splat(local, k, x0, y0)
+            bounded = local[k, HALF_Y] < DEGENERATE
             kf = np.float32(k)
             # Moments of d loss / d sigma over the pixels give the conic and mean gradients.
             m_x, m_y, m_xx, m_xy, m_yy = _ZERO, _ZERO, _ZERO, _ZERO, _ZERO
@@ -200,33 +295,45 @@ def backward(offsets, gids, records, background, width, height, tiles_x,
             xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
-                for q in range((yb - ya) * _HALF_W):
-                    p = base + np.uint64(q)
-                    dx, dy = mx - _PX[p], my - _PY[p]
-                    sig = _sigma(ca, cb, cc, dx, dy)
-                    vis = exp_neg(sig)
-                    alpha = min(_AMAX, o * vis)
-                    ok = (sig >= _ZERO) & (alpha >= _AMIN) & (kf < stop_at[p])
-                    ra = _ONE / (_ONE - alpha)
-                    t = trans[p] * (ra if ok else _ONE)  # transmittance in front of splat k
-                    trans[p] = t
-                    vr, vg, vb = v_r[p], v_g[p], v_b[p]
-                    c_dot_v = cr * vr + cg * vg + cbl * vb
-                    v_alpha_k = t * c_dot_v + ra * (t_v_alpha[p] - behind[p])
-                    unclamped = ok & (o * vis <= _AMAX)
-                    v_sig = -o * vis * v_alpha_k if unclamped else _ZERO
-                    sx, sy = v_sig * dx, v_sig * dy
-                    m_x += sx
-                    m_y += sy
-                    m_xx += sx * dx
-                    m_xy += sx * dy
-                    m_yy += sy * dy
-                    g_o += vis * v_alpha_k if unclamped else _ZERO
-                    fac = alpha * t if ok else _ZERO
-                    g_r += fac * vr
-                    g_g += fac * vg
-                    g_b += fac * vb
-                    behind[p] += fac * c_dot_v
+                stepped = _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb)
+                if stepped:
+                    step = exp_neg(cc)
+                    _first_row(buf, base, lanes, mx, my, ca, cb, cc)
+                    for q in range((yb - ya) * _HALF_W):
+                        p = base + np.uint64(q)
+                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+                        vis, ratio = buf[_E + p], buf[_Q + p]
+                        buf[_E + p + _ROW] = vis * ratio
+                        buf[_Q + p + _ROW] = ratio * step
+                        v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                        sx, sy = v_sig * dx, v_sig * dy
+                        m_x += sx
+                        m_y += sy
+                        m_xx += sx * dx
+                        m_xy += sx * dy
+                        m_yy += sy * dy
+                        g_o += v_o
+                        g_r += fac * buf[_R + p]
+                        g_g += fac * buf[_G + p]
+                        g_b += fac * buf[_B + p]
+                        buf[_BEHIND + p] += fac * c_dot_v
+                else:
+                    for q in range((yb - ya) * _HALF_W):
+                        p = base + np.uint64(q)
+                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+                        sig = _sigma(ca, cb, cc, dx, dy)
+                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
+                        sx, sy = v_sig * dx, v_sig * dy
+                        m_x += sx
+                        m_y += sy
+                        m_xx += sx * dx
+                        m_xy += sx * dy
+                        m_yy += sy * dy
+                        g_o += v_o
+                        g_r += fac * buf[_R + p]
+                        g_g += fac * buf[_G + p]
+                        g_b += fac * buf[_B + p]
+                        buf[_BEHIND + p] += fac * c_dot_v
             i = start + k
             grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
             grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
@@ -234,11 +341,13 @@ def backward(offsets, gids, records, background, width, height, tiles_x,
 
 
 @njit(parallel=True, cache=True)
-def reduce_grads(grads, hit_starts, hit_slots, order, m):  # -> [m, 9]
-    """Sum each splat's intersection rows: splat order[i] owns the rows hit_slots[hit_starts[i]:
-    hit_starts[i + 1]], so splats are summed in parallel without write conflicts."""
+def reduce_grads(grads, hit_starts, hit_slots, order):  # -> [m, 9] by the input's rows
+    """Sum each record's intersection rows: record i owns the rows hit_slots[hit_starts[i]:
+    hit_starts[i + 1]], so records are summed in parallel without write conflicts, into the
+    input's row order[i]."""
+    m = order.size
     out = np.zeros((m, GRAD_COLS), np.float32)
-    for i in prange(order.size):
+    for i in prange(m):
         g = order[i]
         for j in range(hit_starts[i], hit_starts[i + 1]):
             row = hit_slots[j]
