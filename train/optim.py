@@ -53,7 +53,7 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
     return lrs
 
 
-@numba.njit(cache=True, fastmath=False)
+@numba.njit(cache=True, fastmath=False, nogil=True)
 def _adam_rows_cpu(p, g, m, v, rows, step, lr, b1, b2, eps):  # p, g, m, v [N, D] float32; rows, step [R]
     for i in range(rows.shape[0]):
         r = rows[i]
@@ -83,7 +83,7 @@ def _adam_rows_torch(
     v[rows] = v_r
 
 
-@numba.njit(cache=True, fastmath=False)
+@numba.njit(cache=True, fastmath=False, nogil=True)
 def _adam_block_cpu(ps, gs, ms, vs, lrs, rows, step, b1, b2, eps):  # tuples of [N, D_k] float32; lrs [K]
     for k in range(len(ps)):
         _adam_rows_cpu(ps[k], gs[k], ms[k], vs[k], rows, step, lrs[k], b1, b2, eps)

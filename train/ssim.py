@@ -31,7 +31,7 @@ def gaussian_window(size: int = WINDOW, sigma: float = SIGMA) -> np.ndarray:  # 
     return (g / g.sum()).numpy()
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _ssim_forward(x, y, g):  # x, y [C, H, W] float32 -> row sums [C * Hv] float64, partials 3 x [C, Hv, Wv]
     """SSIM per valid row, and dS/dmu_x, dS/dE[x^2], dS/dE[xy] at every valid pixel."""
     nc, h, w = x.shape
@@ -85,7 +85,7 @@ def _ssim_forward(x, y, g):  # x, y [C, H, W] float32 -> row sums [C * Hv] float
     return sums, d_mu, d_xx, d_xy
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale):  # -> [H, W, C] float32 d (scale * SSIM) / dx
     """Filter the partials with the transposed window (zero outside the valid region) and apply
     the chain rule through E[x^2] (2x) and E[xy] (y)."""

@@ -47,7 +47,7 @@ class Bins:
         return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _candidate_boxes(records, radii, order, tiles_x, tiles_y):
     """The records in depth order [M, RECORD], and gsplat's candidate tiles of each from the
     integer radii, boxes [M, 4] int64 tx0, tx1, ty0, ty1 (end exclusive; empty for dead splats)
@@ -79,14 +79,14 @@ _TIE_FIELDS = (MX, MY, OPACITY, CA, CB, CC, RED, GREEN, BLUE)
 _TIE_FIELDS_LAST_FIRST = _TIE_FIELDS[::-1]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sort_ties(records, run):  # [L] int32 rows of equal depth -> sorted by _TIE_FIELDS
     for f in _TIE_FIELDS_LAST_FIRST:  # least significant first, each sort stable
         run = run[np.argsort(records[run, f], kind="mergesort")]
     return run
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _argsort_depth(records):  # [M, RECORD] -> [M] int32: by depth, then by `_TIE_FIELDS`
     """LSD radix sort on the depth's float bits, 4 passes of 8 bits (numpy's stable float sort is
     a merge sort, ~10x slower here); then each run of equal depth is sorted by `_TIE_FIELDS`."""
@@ -116,7 +116,7 @@ def _argsort_depth(records):  # [M, RECORD] -> [M] int32: by depth, then by `_TI
     return order
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
     """Write each candidate tile's id, or -1 where the support ellipse misses every pixel centre of
     the tile, into record g's slots from starts[g] (memory is written as one stream)."""
@@ -137,7 +137,7 @@ def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
                 j += 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sort_by_tile(candidates, starts, n_tiles):
     """Stable counting sort of the hits by tile; record i's candidates are candidates[starts[i]:
     starts[i + 1]] and records are in depth order, so each list comes out front to back. Also

@@ -24,7 +24,7 @@ _ALPHA_MIN32 = np.float32(ALPHA_MIN)
 SPAN_EPS = np.float32(1e-3)  # pixels added to each end of a row or column span
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def splat_records(means2d, conics, opacities, colors, depths):  # [M,2],[M,3],[M],[M,3],[M] -> [M,16]
     """One contiguous record a splat: the inputs plus its support ellipse in the forms the kernels use."""
     m = means2d.shape[0]

@@ -176,7 +176,7 @@ def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma,
     return (-o * vis * v_alpha_k if unclamped else _ZERO), (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
             rgb, t_final, stop, sat_depth, tile_end, contributed):
     """Composite every tile; writes rgb [H,W,3], t_final [H,W] (transmittance left), stop [H,W]
@@ -251,7 +251,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                     sat_depth[y0 + yy, x0 + xx] = local[stop_at[p], DEPTH]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
              t_final, stop, tile_end, v_rgb, v_alpha, grads):
     """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
@@ -340,7 +340,7 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
             grads[i, 5], grads[i, 6], grads[i, 7], grads[i, 8] = g_o, g_r, g_g, g_b
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def reduce_grads(grads, hit_starts, hit_slots, order):  # -> [m, 9] by the input's rows
     """Sum each record's intersection rows: record i owns the rows hit_slots[hit_starts[i]:
     hit_starts[i + 1]], so records are summed in parallel without write conflicts, into the

@@ -37,7 +37,7 @@ def camera_params(camera: Camera) -> np.ndarray:  # [23] float64
     return np.concatenate([vm[:3, :3].ravel(), vm[:3, 3], [fx, fy, cx, cy], lims, camera.center])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _splat_frame(means, quats, scales, cam, g):
     """Camera-space mean, unit quaternion (and the raw norm), rotation, scales, camera covariance."""
     R = (cam[0], cam[1], cam[2], cam[3], cam[4], cam[5], cam[6], cam[7], cam[8])
@@ -56,7 +56,7 @@ def _splat_frame(means, quats, scales, cam, g):
     return R, pc, q, qn, rq, s, rs, cov_c
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _jacobian(pc, cam):
     """Nonzero entries j00, j02, j11, j12 of J = [[fx/z, 0, -fx rx/z], [0, fy/z, -fy ry/z]] with
     rx, ry the clamped x/z, y/z; and whether x/z, y/z were inside the clamp."""
@@ -68,7 +68,7 @@ def _jacobian(pc, cam):
     return fx / z, -fx * rx / z, fy / z, -fy * ry / z, rx, ry, rx == rx_raw, ry == ry_raw
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-tuple
     c00 = j00 * j00 * S[0] + 2.0 * j00 * j02 * S[2] + j02 * j02 * S[8]
     c01 = j00 * j11 * S[1] + j00 * j12 * S[2] + j02 * j11 * S[5] + j02 * j12 * S[8]
@@ -76,7 +76,7 @@ def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-
     return c00, c01, c11
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _project(means, quats, scales, logits, cam, width, height, means2d, conics, depths, opacities, radii, keep):
     for g in prange(means.shape[0]):
         keep[g] = False
@@ -105,19 +105,19 @@ def _project(means, quats, scales, logits, cam, width, height, means2d, conics, 
         radii[g, 0], radii[g, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _view_dir(means, cam, g):  # unit direction from the camera centre, and the distance
     d = (means[g, 0] - cam[20], means[g, 1] - cam[21], means[g, 2] - cam[22])
     norm = max(math.sqrt(d[0] * d[0] + d[1] * d[1] + d[2] * d[2]), _NORM_EPS)
     return (d[0] / norm, d[1] / norm, d[2] / norm), norm
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _coeff(sh0, shN, g, b, c):
     return float(sh0[g, 0, c]) if b == 0 else float(shN[g, b - 1, c])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _sh_raw(sh0, shN, g, basis, n_bases):  # SH colour before + 0.5 and the clamp
     r, gr, bl = 0.0, 0.0, 0.0
     for b in range(n_bases):
@@ -127,7 +127,7 @@ def _sh_raw(sh0, shN, g, basis, n_bases):  # SH colour before + 0.5 and the clam
     return r, gr, bl
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _colors(means, sh0, shN, ids, cam, n_bases, colors):
     for i in prange(ids.size):
         g = ids[i]
@@ -137,7 +137,7 @@ def _colors(means, sh0, shN, ids, cam, n_bases, colors):
             colors[i, c] = max(raw[c] + 0.5, 0.0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
                  v_means2d, v_conics, v_opacities, v_colors,
                  g_means, g_quats, g_scales, g_logits, g_sh0, g_shN):
