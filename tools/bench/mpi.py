@@ -363,8 +363,8 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     print(f"\n[imbalance] {r} ranks x batch {cfg.wide_batch} on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "
           f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out); work counts are exact, seconds "
           f"are not ({r} ranks share {os.cpu_count()} cores)")
-    run = train(data, store, work / f"imbalance-{r}", cfg.wide_steps, "--max-eval-images", "1",
-                "--batch-size", str(cfg.wide_batch), ranks=r)
+    run, again = (train(data, store, work / f"imbalance-{r}{suffix}", cfg.wide_steps, "--max-eval-images", "1",
+                        "--batch-size", str(cfg.wide_batch), ranks=r) for suffix in ("", "-repeat"))
     owned = run.column("owned", 0)[:, 0]  # [R] Gaussians each rank owns (the trainer's `owned_blocks`)
     warm = cfg.wide_warmup
     rasterized = run.column("local", warm) + run.column("received", warm)  # [R, steps]
@@ -383,9 +383,24 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     for rank in range(r):
         print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f} "
               f"{compute[rank].mean() * 1e3:20.1f}")
+    _noise_floor(compute, sum(again.column(f"cpu_{phase}", warm) for phase in COMPUTE_PHASES))
     headline = _max_over_mean(compute).mean()
     print(f"work imbalance (compute CPU seconds of each rank, max/mean per step) {headline:.3f} "
           f"(target <= {IMBALANCE_TARGET}): {'met' if headline <= IMBALANCE_TARGET else 'MISSED'}")
+
+
+def _noise_floor(first: np.ndarray, second: np.ndarray, draws: int = 2000) -> None:  # [R, steps] CPU s each
+    """Print how much of the per-step imbalance is timing noise. The two runs do identical work
+    (same seed, same plan), so their difference per (rank, step) is noise alone; ranks with equal
+    work and that much noise would show the simulated max/mean printed as the floor."""
+    noise = float((first - second).std() / np.sqrt(2.0))
+    rng = np.random.default_rng(0)
+    level = first.mean(axis=0)  # [steps] every rank at the step's mean work
+    equal = level + rng.normal(0.0, noise, size=(draws, *first.shape))
+    floor = float((equal.max(axis=1) / equal.mean(axis=1)).mean())
+    print(f"timing noise: {noise * 1e3:.1f} ms CPU per rank and step (of {first.mean() * 1e3:.1f} ms; from a repeat "
+          f"of the same run); equal work with that noise reads {floor:.3f} per step. Second run "
+          f"{_max_over_mean(second).mean():.3f}, mean of the two runs {_max_over_mean((first + second) / 2).mean():.3f}")
 
 
 def scaling(argv: list[str]) -> int:

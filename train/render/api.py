@@ -73,10 +73,13 @@ def _background(background: Tensor | Sequence[float] | None, device: torch.devic
     return bg
 
 
-def project(splats: dict[str, Tensor], camera: Camera, sh_degree: int, backend: Backend = "cpu") -> Splats2D:
+def project(splats: dict[str, Tensor], camera: Camera, sh_degree: int, backend: Backend = "cpu",
+            check: bool = True) -> Splats2D:
     """The splats that land in `camera`'s image, differentiable w.r.t. every splat parameter;
-    `ids` are their rows in `splats`."""
-    check_splats(splats, sh_degree)
+    `ids` are their rows in `splats`. check=False skips `check_splats` for a caller that checked
+    these splats already (the trainer projects one batch for many cameras)."""
+    if check:
+        check_splats(splats, sh_degree)
     device = splats["means"].device
     _check_backend(backend, device, "the splats")
     if backend == "cuda":
