@@ -141,6 +141,17 @@ def _first_row(buf, base, lanes, mx, my, ca, cb, cc):
 
 
 @njit(inline="always", fastmath=True)
+def _stepped(buf, p, mx, my, step):  # -> dx, dy, exp(-sigma) at pixel p
+    """Pixel p's offset from the mean and its stepped exp(-sigma); moves the column's product and
+    ratio on to the next row (step = exp(-c))."""
+    dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+    vis, ratio = buf[_E + p], buf[_Q + p]
+    buf[_E + p + _ROW] = vis * ratio
+    buf[_Q + p + _ROW] = ratio * step
+    return dx, dy, vis
+
+
+@njit(inline="always", fastmath=True)
 def _over(buf, p, sig, vis, level, o, cr, cg, cbl):  # -> (1 if the splat was blended, 1 if it ended the pixel)
     """Blend one splat over pixel p (front to back), gsplat's rules."""
     alpha = min(_AMAX, o * vis)
@@ -174,6 +185,15 @@ def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma,
     unclamped = ok & (o * vis <= _AMAX)
     fac = alpha * t if ok else _ZERO
     return (-o * vis * v_alpha_k if unclamped else _ZERO), (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
+
+
+@njit(inline="always", fastmath=True)
+def _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac):  # -> acc with pixel p's terms added
+    """The backward's sums over a splat's pixels: moments of d loss / d sigma (x, y, xx, xy, yy),
+    which give the conic and mean gradients, d loss / d opacity, and the colour weights."""
+    sx, sy = v_sig * dx, v_sig * dy
+    return (acc[0] + sx, acc[1] + sy, acc[2] + sx * dx, acc[3] + sx * dy, acc[4] + sy * dy, acc[5] + v_o,
+            acc[6] + fac * buf[_R + p], acc[7] + fac * buf[_G + p], acc[8] + fac * buf[_B + p])
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -210,10 +230,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                     _first_row(buf, base, lanes, mx, my, ca, cb, cc)
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
-                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
-                        vis, ratio = buf[_E + p], buf[_Q + p]
-                        buf[_E + p + _ROW] = vis * ratio
-                        buf[_Q + p + _ROW] = ratio * step
+                        dx, dy, vis = _stepped(buf, p, mx, my, step)
                         u, e = _over(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, o, cr, cg, cbl)
                         used += u
                         stopped += e
@@ -289,33 +306,18 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
             mx, my, ca, cb, cc, o, cr, cg, cbl, level = _splat(local, k, x0, y0)
             bounded = local[k, HALF_Y] < DEGENERATE
             kf = np.float32(k)
-            # Moments of d loss / d sigma over the pixels give the conic and mean gradients.
-            m_x, m_y, m_xx, m_xy, m_yy = _ZERO, _ZERO, _ZERO, _ZERO, _ZERO
-            g_o, g_r, g_g, g_b = _ZERO, _ZERO, _ZERO, _ZERO
+            acc = (_ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO)
             xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
-                stepped = _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb)
-                if stepped:
+                if _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
                     step = exp_neg(cc)
                     _first_row(buf, base, lanes, mx, my, ca, cb, cc)
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
-                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
-                        vis, ratio = buf[_E + p], buf[_Q + p]
-                        buf[_E + p + _ROW] = vis * ratio
-                        buf[_Q + p + _ROW] = ratio * step
+                        dx, dy, vis = _stepped(buf, p, mx, my, step)
                         v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
-                        sx, sy = v_sig * dx, v_sig * dy
-                        m_x += sx
-                        m_y += sy
-                        m_xx += sx * dx
-                        m_xy += sx * dy
-                        m_yy += sy * dy
-                        g_o += v_o
-                        g_r += fac * buf[_R + p]
-                        g_g += fac * buf[_G + p]
-                        g_b += fac * buf[_B + p]
+                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
                         buf[_BEHIND + p] += fac * c_dot_v
                 else:
                     for q in range((yb - ya) * _HALF_W):
@@ -323,18 +325,10 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
                         sig = _sigma(ca, cb, cc, dx, dy)
                         v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
-                        sx, sy = v_sig * dx, v_sig * dy
-                        m_x += sx
-                        m_y += sy
-                        m_xx += sx * dx
-                        m_xy += sx * dy
-                        m_yy += sy * dy
-                        g_o += v_o
-                        g_r += fac * buf[_R + p]
-                        g_g += fac * buf[_G + p]
-                        g_b += fac * buf[_B + p]
+                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
                         buf[_BEHIND + p] += fac * c_dot_v
             i = start + k
+            m_x, m_y, m_xx, m_xy, m_yy, g_o, g_r, g_g, g_b = acc
             grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
             grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
             grads[i, 5], grads[i, 6], grads[i, 7], grads[i, 8] = g_o, g_r, g_g, g_b
