@@ -27,6 +27,19 @@ IO_THREADS = 4
 PARTIAL_SUFFIX = ".partial"  # zarr's LocalStore names its temp files <stem>.<uuid>.partial too
 
 
+def get_bytes(zstore: ZarrStore, key: str) -> bytes | None:
+    """The bytes stored at key, or None when there are none. Local directories get a plain file
+    read: zarr's async store costs ~1-2 ms a call in thread hops, and every block write reads the
+    root document (to refuse a stale view) and every block read its version document."""
+    if isinstance(zstore, LocalStore):
+        try:
+            return (Path(zstore.root) / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+    buf = sync(zstore.get(key, prototype=default_buffer_prototype()))
+    return None if buf is None else buf.to_bytes()
+
+
 class Backend:
     """A zarr store plus atomic small documents, listing, deletion and (local) fsync."""
 
@@ -45,19 +58,8 @@ class Backend:
 
     def get_json(self, key: str) -> Any | None:
         """The parsed JSON document at key, or None when there is none."""
-        if self.local_root is not None:
-            # A plain read: zarr's async store costs ~2 ms a call in thread hops, and every block
-            # write reads the root document (to refuse a stale view).
-            try:
-                raw = (self.local_root / key).read_bytes()
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-        else:
-            buf = sync(self.zstore.get(key, prototype=default_buffer_prototype()))
-            if buf is None:
-                return None
-            raw = buf.to_bytes()
-        return decode_json(raw, f"{self.label}: {key}")
+        raw = get_bytes(self.zstore, key)
+        return None if raw is None else decode_json(raw, f"{self.label}: {key}")
 
     def stamp(self, key: str) -> tuple[int, int, int] | None:
         """Identity of a local document's current file (inode, mtime, size); None elsewhere or

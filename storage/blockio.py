@@ -44,7 +44,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from storage.backend import decode_json, group_doc
+from storage.backend import decode_json, get_bytes, group_doc
 from storage.codec import CodecConfig
 from storage.errors import BlockDataError, StoreCorruptError
 
@@ -219,16 +219,7 @@ def read_version(
     is fetched and decoded as its own task in pool."""
     names = list(names)
     key = f"{prefix}/zarr.json"
-    if isinstance(zstore, LocalStore):
-        # A plain read: through zarr's async store this document cost ~1 ms a block in thread hops.
-        try:
-            raw: bytes | None = (Path(zstore.root) / key).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            raw = None
-    else:
-        buf = sync(zstore.get(key, prototype=default_buffer_prototype()))
-        raw = None if buf is None else buf.to_bytes()
-    metas = _parse_version(raw, key, count, {n: shapes[n] for n in names}, where)
+    metas = _parse_version(get_bytes(zstore, key), key, count, {n: shapes[n] for n in names}, where)
     arrays = {n: _ArrayRead(f"{prefix}/{n}", metas[n], *shapes[n], f"{where}, array {n}") for n in names}
     chunks = [(a, i) for a in arrays.values() for i in range(len(a.keys))]
     prototype = default_buffer_prototype()

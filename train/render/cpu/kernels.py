@@ -38,14 +38,14 @@ from train.render.cpu.ellipse import (
     tile_box,
 )
 from train.render.cpu.fastexp import exp_neg
-from train.render.semantics import ALPHA_MAX, ALPHA_MIN, T_MIN, TILE_SIZE
+from train.render.semantics import ALPHA_MAX, T_MIN, TILE_SIZE
 
 GRAD_COLS = 9  # v_mean x, y; v_conic a, b, c; v_opacity; v_color r, g, b (the wire order)
 _HALF_W = 8  # width of a half tile: the float32 lanes of an AVX2 register
 LANES = _HALF_W  # the kernels' `lanes` argument
 _HALF_PIX = _HALF_W * TILE_SIZE
 _NPIX = TILE_SIZE * TILE_SIZE
-_AMIN, _AMAX, _TMIN = np.float32(ALPHA_MIN), np.float32(ALPHA_MAX), np.float32(T_MIN)
+_AMAX, _TMIN = np.float32(ALPHA_MAX), np.float32(T_MIN)
 _ZERO, _HALF, _ONE = np.float32(0.0), np.float32(0.5), np.float32(1.0)
 _NEVER = np.float32(2.0 ** 31)  # the stop position of a pixel that never terminated
 _STEP_MAX = np.float32(64.0)  # largest sigma in a box that is stepped (exp(-64) ~ 1.6e-28 stays normal)
@@ -129,15 +129,16 @@ def _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
 
 
 @njit(inline="always", fastmath=True)
-def _first_row(buf, base, lanes, mx, my, ca, cb, cc):
-    """exp(-sigma) on the first row of a half tile's box, and its ratio to the next row's,
-    exp(sigma(y) - sigma(y + 1)) = exp(-(c / 2 - b dx - c dy)). `lanes` is 8, passed at run time
-    so that LLVM vectorizes this loop instead of unrolling it into scalar code."""
+def _first_row(buf, base, lanes, mx, my, ca, cb, cc):  # -> exp(-c), the ratio's own factor per row
+    """Start stepping a half tile's box: exp(-sigma) on its first row, and the ratio to the next
+    row's, exp(sigma(y) - sigma(y + 1)) = exp(-(c / 2 - b dx - c dy)). `lanes` is 8, passed at run
+    time so that LLVM vectorizes this loop instead of unrolling it into scalar code."""
     for q in range(lanes):
         p = base + np.uint64(q)
         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
         buf[_E + p] = exp_neg(_sigma(ca, cb, cc, dx, dy))
         buf[_Q + p] = exp_neg(_HALF * cc - cb * dx - cc * dy)
+    return exp_neg(cc)
 
 
 @njit(inline="always", fastmath=True)
@@ -226,8 +227,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
                 if _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
-                    step = exp_neg(cc)
-                    _first_row(buf, base, lanes, mx, my, ca, cb, cc)
+                    step = _first_row(buf, base, lanes, mx, my, ca, cb, cc)
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy, vis = _stepped(buf, p, mx, my, step)
@@ -311,8 +311,7 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
                 if _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
-                    step = exp_neg(cc)
-                    _first_row(buf, base, lanes, mx, my, ca, cb, cc)
+                    step = _first_row(buf, base, lanes, mx, my, ca, cb, cc)
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy, vis = _stepped(buf, p, mx, my, step)
