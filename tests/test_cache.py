@@ -261,3 +261,27 @@ def test_two_tiers(tmp_path: Path, device: str) -> None:
     for key in data:
         assert np.array_equal(reopened.read_block(key)["means"], data[key]["means"] + 1)
     cache.close()
+
+
+def test_derived_arrays_are_kept_while_the_tensors_stay_and_dropped_with_them(tmp_path: Path) -> None:
+    """`Block.arrays` (the trainer's numpy views for Adam) is made once per resident copy: an
+    update in place shows through, an evicted and reloaded block gets fresh views."""
+    store, data = make_store(tmp_path / "s.zarr", [300, 500])
+    cache = BlockCache(store, 600 * ROW)
+    made = []
+
+    def views(tensors):
+        made.append(1)
+        return {n: t.numpy() for n, t in tensors.items()}
+
+    block = cache.get("2-0")
+    first = block.arrays(views)
+    block.tensors["means"] += 1.0  # the trainer updates in place
+    assert block.arrays(views) is first and len(made) == 1
+    np.testing.assert_array_equal(first["means"], data["2-0"]["means"] + 1.0)
+    cache.mark_dirty("2-0")
+    cache.get("2-1")  # evicts 2-0 (written back)
+    again = cache.get("2-0")
+    assert again.arrays(views) is not first and len(made) == 2
+    np.testing.assert_array_equal(again.arrays(views)["means"], data["2-0"]["means"] + 1.0)
+    cache.close()

@@ -7,7 +7,7 @@ import torch
 
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
 from train.assign import assign_cameras
-from train.optim import AdamConfig, learning_rates, sparse_adam_step
+from train.optim import AdamConfig, SparseAdam, learning_rates, numpy_arrays, sparse_adam_step
 from train.schedule import Schedule, locality_order, step_cameras
 
 
@@ -52,6 +52,31 @@ def test_rows_not_stepped_are_untouched_and_keep_their_own_bias_correction(compi
     # a row's first step moves it by exactly lr (Adam's bias-corrected first step with g = 1)
     torch.testing.assert_close(block["means"][1], before["means"][1] - lrs["means"], rtol=0, atol=1e-6)
     assert block["adam_step"].tolist() == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_batch_of_blocks_steps_each_block_as_on_its_own(compiled):
+    """The trainer's step: gradients and the contributed mask of a gathered batch, each block at its
+    offset, against `sparse_adam_step` on the block's own rows and gradient slice."""
+    cfg = AdamConfig()
+    lrs = learning_rates(cfg, 0, 100, scene_scale=1.0)
+    blocks, alone = [_block(5, seed=1), _block(3, seed=2)], [_block(5, seed=1), _block(3, seed=2)]
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        grads = {n: torch.randn((8, *blocks[0][n].shape[1:]), generator=g) for n in PARAM_NAMES}
+        mask = torch.rand(8, generator=g) < 0.6
+        optimizer = SparseAdam(grads, mask, lrs, cfg)
+        counts = [optimizer.step(b, lo, numpy_arrays(b) if compiled else None) for b, lo in zip(blocks, (0, 5))]
+        assert counts == [int(mask[:5].sum()), int(mask[5:].sum())]
+        for b, lo, hi in zip(alone, (0, 5), (5, 8)):
+            sparse_adam_step(b, {n: x[lo:hi] for n, x in grads.items()}, torch.nonzero(mask[lo:hi]).squeeze(1), lrs, cfg,
+                             compiled=False)
+    for b, ref in zip(blocks, alone):
+        for k in b:
+            torch.testing.assert_close(b[k], ref[k], rtol=1e-6, atol=1e-7, msg=k)
+    # A rank that sees nothing in a step gathers an empty batch (1-D empty gradients).
+    empty = SparseAdam({n: torch.zeros(0) for n in PARAM_NAMES}, torch.zeros(0, dtype=torch.bool), lrs, cfg)
+    assert empty.step(_block(0), 0, numpy_arrays(_block(0)) if compiled else None) == 0
 
 
 def test_means_lr_decays_to_one_percent_and_batch_scaling():

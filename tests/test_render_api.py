@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.render import RenderError, Splats2D, pack_grads, project, rasterize, render, unpack_grads
+from train.render import RenderError, Splats2D, pack_grads, project, project_batch, rasterize, render, unpack_grads
 from train.render.scenes import load_garden
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 
@@ -65,23 +65,54 @@ def test_split_across_ranks_gives_the_single_process_gradients(scene):
     image_loss(*render(single, cam, 3)[:2]).backward()
 
     halves = [fresh({k: v[i::2] for k, v in splats.items()}) for i in range(2)]
-    local, remote = (project(h, cam, 3) for h in halves)
-    buf = remote.pack()
-    assert buf.shape == (len(remote), WIRE_FLOATS) and buf.dtype == torch.float32
-    received = Splats2D.unpack(buf, ids=remote.ids)
-    out = rasterize(Splats2D.cat([local, received]), cam)
+    owners = [project_batch(h, [(0, cam, None)], 3) for h in halves]
+    buf = owners[1].splats[0].pack()
+    assert buf.shape == (len(owners[1].splats[0]), WIRE_FLOATS) and buf.dtype == torch.float32
+    parts = [Splats2D.unpack(owners[0].splats[0].pack(), ids=owners[0].splats[0].ids), Splats2D.unpack(buf)]
+    out = rasterize(Splats2D.cat(parts), cam)
     image_loss(out.rgb, out.alpha).backward()
-    grads = pack_grads(received)
-    assert grads.shape == (len(remote), GRAD_FLOATS)
-    remote.backward(grads)
+    grads = [pack_grads(p) for p in parts]
+    assert grads[1].shape == (len(parts[1]), GRAD_FLOATS)
+    for owner, g in zip(owners, grads):
+        owner.backward({0: g})
 
     for name in PARAMS:
         merged = torch.empty_like(single[name].grad)
         merged[0::2], merged[1::2] = halves[0][name].grad, halves[1][name].grad
         scale = single[name].grad.abs().max()
         assert (merged - single[name].grad).abs().max() <= 1e-5 * scale, name
-    # The owner of the remote half sees the screen-space gradient densification needs.
-    torch.testing.assert_close(remote.means2d.grad, unpack_grads(grads)[0])
+
+
+def test_batch_projection_matches_a_projection_per_camera(shared_data):
+    """An owner's fused projection into several cameras, each seeing some rows of the batch,
+    against `project` of those rows camera by camera through autograd: the same splats, and the
+    same parameter gradients summed over the cameras."""
+    splats, cameras = load_garden(shared_data / "test_garden.npz")
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randperm(len(splats["means"]), generator=gen)[:6000]
+    splats = {k: v[rows].contiguous() for k, v in splats.items()}
+    n = len(splats["means"])
+    views = [(0, cameras[0].scaled(4.0), None),
+             (2, cameras[1].scaled(4.0), torch.randperm(n, generator=gen)[: n // 2].sort().values.numpy()),
+             (5, cameras[2].scaled(4.0), torch.arange(n // 3, n).numpy())]
+    ours, ref = fresh(splats), fresh(splats)
+    batch = project_batch(ours, views, 3)
+    assert sorted(batch.splats) == [0, 2, 5]
+    weights = {i: torch.rand(len(batch.splats[i]), GRAD_FLOATS, generator=gen) - 0.5 for i in batch.splats}
+    batch.backward(weights)
+    for i, cam, r in views:
+        r = torch.arange(n) if r is None else torch.from_numpy(r)
+        expected = project({k: v[r] for k, v in ref.items()}, cam, 3)
+        got = batch.splats[i]
+        assert torch.equal(got.ids, r[expected.ids]) and len(got) > 100
+        for field in ("means2d", "conics", "depths", "opacities", "colors", "radii"):
+            assert torch.equal(getattr(got, field), getattr(expected, field).detach()), (i, field)
+        outs = expected.differentiable()
+        torch.autograd.backward(list(outs), [g.reshape(t.shape) for t, g in zip(outs, unpack_grads(weights[i]))])
+    for name in PARAMS:
+        torch.testing.assert_close(ours[name].grad, ref[name].grad, rtol=1e-5, atol=1e-6 * ref[name].grad.abs().max())
+    with pytest.raises(RenderError, match=r"camera 2: gradients of shape"):
+        batch.backward({2: torch.zeros(3, GRAD_FLOATS)})
 
 
 def test_wire_format_round_trip(scene):

@@ -1,4 +1,6 @@
-"""Render the garden scene with the cuda and the cpu backends and print how far apart they are.
+"""Render the garden scene with the cuda and the cpu backends and print how far apart they are:
+one camera through `render` (image, flags, gradients), then an owner's `project_batch` into all
+three cameras, each seeing part of the splats, with one backward (splats and gradients).
 
     python -m tools.gpu_check [path/to/test_garden.npz]
 
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from train.render import render
+from train.render import project_batch, render
+from train.render.splats2d import GRAD_FLOATS
 from train.render.errors import RenderError
 from train.render.scenes import load_garden
 
@@ -53,13 +56,42 @@ def compare_backends(data: str | Path, camera_index: int = 0) -> dict[str, float
     return report
 
 
+def _batch_with_grads(splats: dict, views: list, weights: dict, backend: str, device: str) -> tuple[dict, tuple]:
+    params = {k: v.detach().to(device).clone().requires_grad_(True) for k, v in splats.items()}
+    batch = project_batch(params, views, 3, backend=backend)
+    kept = {i: s.ids.cpu() for i, s in batch.splats.items()}
+    # The same per-splat gradients on both backends: weights are drawn per splat row, not per index.
+    batch.backward({i: weights[i][kept[i]].to(device) for i in kept})
+    return kept, tuple(params[k].grad.cpu() for k in PARAMS)
+
+
+def compare_batch_projection(data: str | Path) -> dict[str, float]:
+    """Per camera the fraction of splats kept by one backend only, and per parameter the max abs
+    gradient difference of one batch backward over three cameras, relative to the cpu's largest."""
+    splats, cameras = load_garden(data)
+    n = len(splats["means"])
+    gen = torch.Generator().manual_seed(1)
+    views = [(0, cameras[0], None), (1, cameras[1], torch.randperm(n, generator=gen)[: n // 2].sort().values.numpy()),
+             (2, cameras[2], torch.arange(n // 3, n).numpy())]
+    weights = {i: torch.rand(n, GRAD_FLOATS, generator=gen) - 0.5 for i, _, _ in views}
+    ids_g, grads_g = _batch_with_grads(splats, views, weights, "cuda", "cuda")
+    ids_c, grads_c = _batch_with_grads(splats, views, weights, "cpu", "cpu")
+    report = {}
+    for i in ids_c:
+        g, c = set(ids_g[i].tolist()), set(ids_c[i].tolist())
+        report[f"batch_cam{i}_kept_mismatch"] = len(g ^ c) / max(1, len(c))
+    for name, g, c in zip(PARAMS, grads_g, grads_c):
+        report[f"batch_grad_{name}_rel"] = float((g - c).abs().max() / c.abs().max().clamp_min(1e-12))
+    return report
+
+
 def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to compare (run it on a machine with a GPU)")
         return 0
     data = Path(argv[0]) if argv else DEFAULT_DATA
     try:
-        report = compare_backends(data)
+        report = compare_backends(data) | compare_batch_projection(data)
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -53,19 +53,42 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
     return lrs
 
 
-@numba.njit(cache=True, fastmath=False, nogil=True)
-def _adam_rows_cpu(p, g, m, v, rows, step, lr, b1, b2, eps):  # p, g, m, v [N, D] float32; rows, step [R]
+# float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
+# an element; with reciprocals and fused multiply-adds allowed it costs ~4.
+@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
+def _adam_rows_cpu(p, g, m, v, rows, step, lo, lr, b1, b2, eps):
+    """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
+    rows at lo..lo+N; rows, step [R] the block rows to update and their new step counts."""
+    b1f, b2f, c1, c2 = np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2)
+    epsf = np.float32(eps)
     for i in range(rows.shape[0]):
         r = rows[i]
-        bc1 = 1.0 - b1 ** step[i]
-        bc2_sqrt = np.sqrt(1.0 - b2 ** step[i])
+        step_size = np.float32(lr / (1.0 - b1 ** step[i]))
+        inv_bc2_sqrt = np.float32(1.0 / math.sqrt(1.0 - b2 ** step[i]))
         for j in range(p.shape[1]):
-            gj = g[r, j]
-            mj = np.float32(b1 * m[r, j] + (1.0 - b1) * gj)
-            vj = np.float32(b2 * v[r, j] + (1.0 - b2) * gj * gj)
+            gj = g[lo + r, j]
+            mj = b1f * m[r, j] + c1 * gj
+            vj = b2f * v[r, j] + c2 * gj * gj
             m[r, j] = mj
             v[r, j] = vj
-            p[r, j] = np.float32(p[r, j] - (lr / bc1) * mj / (np.sqrt(vj) / bc2_sqrt + eps))
+            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv_bc2_sqrt + epsf)
+
+
+@numba.njit(cache=True, nogil=True)
+def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps):  # -> rows stepped
+    """ps, ms, vs: tuples of a block's [N, D_k] float32 arrays; gs: the batch's [M, D_k]; lrs [K];
+    adam_step [N] int32, advanced on the rows whose mask[lo + row] is set."""
+    n = adam_step.shape[0]
+    rows, step = np.empty(n, np.int64), np.empty(n, np.int32)
+    k = 0
+    for r in range(n):
+        if mask[lo + r]:
+            adam_step[r] += 1
+            rows[k], step[k] = r, adam_step[r]
+            k += 1
+    for j in range(len(ps)):
+        _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], step[:k], lo, lrs[j], b1, b2, eps)
+    return k
 
 
 def _adam_rows_torch(
@@ -83,38 +106,74 @@ def _adam_rows_torch(
     v[rows] = v_r
 
 
-@numba.njit(cache=True, fastmath=False, nogil=True)
-def _adam_block_cpu(ps, gs, ms, vs, lrs, rows, step, b1, b2, eps):  # tuples of [N, D_k] float32; lrs [K]
-    for k in range(len(ps)):
-        _adam_rows_cpu(ps[k], gs[k], ms[k], vs[k], rows, step, lrs[k], b1, b2, eps)
+_UPDATED = tuple(f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES)
 
 
-@torch.no_grad()
+def numpy_arrays(tensors: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
+    """The tensors as numpy arrays [N, D] sharing their memory, as `SparseAdam.step` takes them;
+    None unless all are contiguous CPU tensors (the compiled step updates them in place)."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+        return None
+    return {name: t.reshape(t.shape[0], math.prod(t.shape[1:])).numpy() for name, t in tensors.items()}
+
+
+class SparseAdam:
+    """One step of sparse Adam over the blocks of a gathered batch: the batch's gradients and the
+    mask of rows to update are converted once, then each block costs one compiled call."""
+
+    def __init__(
+        self,
+        grads: dict[str, Tensor],  # parameter name -> gradient [M, ...] of the batch
+        mask: Tensor,  # [M] bool: the batch rows to update (those that contributed to a pixel)
+        lrs: dict[str, float],
+        cfg: AdamConfig,
+    ) -> None:
+        self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
+        self._compiled = None
+        if mask.device.type == "cpu":
+            # (explicit widths: a rank that sees nothing this step has an empty batch)
+            g = tuple(grads[x].reshape(len(mask), math.prod(grads[x].shape[1:])).contiguous().numpy()
+                      for x in PARAM_NAMES)
+            self._compiled = g, mask.numpy(), np.array([lrs[x] for x in PARAM_NAMES])
+
+    @torch.no_grad()
+    def step(
+        self,
+        block: dict[str, Tensor],  # every array of one block (parameters, exp_avg_*, exp_avg_sq_*, adam_step)
+        lo: int,  # the block's first row in the batch
+        arrays: dict[str, np.ndarray] | None = None,  # `numpy_arrays(block)`, kept by the caller; None: torch ops
+    ) -> int:
+        """Update `block` in place on its masked rows; returns how many rows were updated."""
+        n, (b1, b2), eps = block["means"].shape[0], self.cfg.betas, self.cfg.eps
+        if arrays is not None and self._compiled is not None:
+            # One call for the six parameters: per-call overhead (tensor conversions, indexing
+            # the step counts) cost more than the arithmetic of a small block.
+            g, m, lr = self._compiled
+            p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
+            return int(_adam_block_cpu(p, g, ms, vs, lr, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps))
+        rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
+        if rows.numel() == 0:
+            return 0
+        step = block["adam_step"][rows] + 1  # [R]
+        block["adam_step"][rows] = step
+        for name in PARAM_NAMES:
+            _adam_rows_torch(block[name], self.grads[name][lo : lo + n], block[f"exp_avg_{name}"],
+                             block[f"exp_avg_sq_{name}"], rows, step, self.lrs[name], b1, b2, eps)
+        return int(rows.numel())
+
+
 def sparse_adam_step(
-    block: dict[str, Tensor],  # every array of one block (parameters, exp_avg_*, exp_avg_sq_*, adam_step)
+    block: dict[str, Tensor],
     grads: dict[str, Tensor],  # parameter name -> gradient, same shape as the parameter
     rows: Tensor,  # [R] int64, the rows that contributed to a pixel this step
     lrs: dict[str, float],
     cfg: AdamConfig,
-    compiled: bool | None = None,  # CPU: one compiled loop instead of ~100 tiny tensor ops (default on CPU)
+    compiled: bool | None = None,  # CPU: the compiled loop (default where the block allows it)
 ) -> None:
-    """Update `block` in place on `rows` only."""
-    if rows.numel() == 0:
-        return
-    if compiled is None:
-        compiled = block["means"].device.type == "cpu"
-    step = block["adam_step"][rows] + 1  # [R]
-    block["adam_step"][rows] = step
-    updated = [f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES]
-    if compiled and all(block[x].is_contiguous() for x in updated):  # views, so updates land in the block
-        # One call for the six parameters: the trainer steps every visible block every step, and
-        # per-call overhead (six calls, 24 tensor conversions) cost more than the arithmetic.
-        n = block["means"].shape[0]
-        p, m, v = (tuple(block[x].reshape(n, -1).numpy() for x in updated[i : i + 6]) for i in (0, 6, 12))
-        g = tuple(grads[x].reshape(n, -1).contiguous().numpy() for x in PARAM_NAMES)
-        lr = np.array([lrs[x] for x in PARAM_NAMES])
-        _adam_block_cpu(p, g, m, v, lr, rows.numpy(), step.numpy(), cfg.betas[0], cfg.betas[1], cfg.eps)
-        return
-    for name in PARAM_NAMES:
-        _adam_rows_torch(block[name], grads[name], block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"], rows, step,
-                         lrs[name], cfg.betas[0], cfg.betas[1], cfg.eps)
+    """Update `block` in place on `rows` only (`SparseAdam` for a block on its own)."""
+    mask = torch.zeros(block["means"].shape[0], dtype=torch.bool, device=block["means"].device)
+    mask[rows] = True
+    arrays = numpy_arrays(block) if compiled is not False else None
+    if compiled and arrays is None:
+        raise ValueError("compiled=True needs contiguous CPU tensors")
+    SparseAdam(grads, mask, lrs, cfg).step(block, 0, arrays)

@@ -20,9 +20,10 @@ from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange
 from train.losses import photometric_loss, psnr
-from train.optim import AdamConfig, sparse_adam_step
+from train.optim import AdamConfig, SparseAdam, numpy_arrays
 from train.region import Region
-from train.render import RasterOutput, Splats2D, check_splats, pack_grads, project, rasterize
+from train.stats import accumulate_stats, empty_stats
+from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 
 
@@ -69,10 +70,10 @@ class Gathered:
     offsets: list[int]  # start row of each block in the batch; offsets[-1] == total rows
     params: dict[str, Tensor]  # name -> leaf tensor [N, ...] requiring grad
 
-    def rows_of(self, keys: list[str]) -> Tensor:  # [n] int64 rows of these blocks in the batch
+    def rows_of(self, keys: list[str]) -> np.ndarray:  # [n] int64 rows of these blocks in the batch
         index = {k: i for i, k in enumerate(self.keys)}
-        parts = [torch.arange(self.offsets[index[k]], self.offsets[index[k] + 1]) for k in keys]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        parts = [np.arange(self.offsets[index[k]], self.offsets[index[k] + 1]) for k in keys]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool) -> Gathered:
@@ -92,41 +93,15 @@ def project_owned(
     cameras: list[Camera],
     sh_degree: int,
     backend: str,
-) -> dict[int, Splats2D]:
-    """Per camera: its splats (ids are rows of the gathered batch); unseen cameras are left out."""
-    out: dict[int, Splats2D] = {}
-    if any(visible):
-        check_splats(gathered.params, sh_degree)  # once for the batch, not once a camera (~0.2 ms each)
+) -> ProjectedBatch:
+    """The batch projected into every camera that sees some of it (`splats` leaves the others
+    out); splat ids are rows of the gathered batch."""
+    views = []
     for i, (cam, keys) in enumerate(zip(cameras, visible)):
-        if not keys:
-            continue
-        if len(keys) == len(gathered.keys):
-            # The camera sees the whole batch (always, with one camera a step): no gather, and no
-            # scatter of its gradient back into the batch.
-            s2d = project(gathered.params, cam, sh_degree, backend=backend, check=False)
-        else:
-            r = gathered.rows_of(keys)
-            s2d = project({name: p[r] for name, p in gathered.params.items()}, cam, sh_degree, backend=backend,
-                          check=False)
-            s2d.ids = r[s2d.ids]
-        out[i] = s2d
-    return out
-
-
-def accumulate_stats(
-    stats: dict[str, Tensor],  # grad2d [N], count [N], max_radii [N] over the gathered batch
-    s2d: Splats2D,
-    camera: Camera,
-    grad_means2d: Tensor,  # [M, 2]
-    n_cameras: int,
-) -> None:
-    """gsplat DefaultStrategy's statistics: 2D gradient norm in NDC-like units, visibility, radius."""
-    scale = torch.tensor([camera.width / 2.0 * n_cameras, camera.height / 2.0 * n_cameras])
-    g = (grad_means2d * scale).norm(dim=-1)
-    stats["grad2d"].index_add_(0, s2d.ids, g)
-    stats["count"].index_add_(0, s2d.ids, torch.ones_like(s2d.ids, dtype=stats["count"].dtype))
-    r = s2d.radii.max(dim=-1).values.to(torch.float32) / float(max(camera.width, camera.height))
-    stats["max_radii"].scatter_reduce_(0, s2d.ids, r, reduce="amax")
+        if keys:
+            # A camera that sees the whole batch (always, with one camera a step) needs no row list.
+            views.append((i, cam, None if len(keys) == len(gathered.keys) else gathered.rows_of(keys)))
+    return project_batch(gathered.params, views, sh_degree, backend=backend, check=bool(views))
 
 
 def _parts_for_camera(
@@ -178,12 +153,12 @@ def train_step(
     stats.blocks = len(keys)
     cache.pin(keys)
     try:
-        blocks = {k: cache.get(k).tensors for k in keys}
+        cached = {k: cache.get(k) for k in keys}
+        blocks = {k: b.tensors for k, b in cached.items()}
         clock.mark("io")
         g = gather(blocks, keys, requires_grad=True)
-        owned = project_owned(g, visible, cameras, sh_degree, backend)
-        for s in owned.values():
-            s.means2d.retain_grad()
+        projection = project_owned(g, visible, cameras, sh_degree, backend)
+        owned = projection.splats
         stats.projected = sum(len(s) for s in owned.values())
         clock.mark("project")
 
@@ -217,9 +192,8 @@ def train_step(
         back = {i: v for (_, i), v in exchange.return_grads(incoming, remote_flags).items()}
         clock.mark("exchange")
         back.update({i: (pack_grads(leaf), flags_of[(rank, i)]) for i, leaf in kept.items()})
-        for i in sorted(back):
-            grads, flags = back[i]
-            owned[i].backward(grads)
+        projection.backward({i: grads for i, (grads, _) in back.items()})
+        for i, (_, flags) in back.items():
             contributed[owned[i].ids[flags]] = True
         clock.mark("backprop")
 
@@ -235,32 +209,26 @@ def train_step(
             stats.skipped = True
             return stats
 
-        acc = {
-            "grad2d": torch.zeros(n),
-            "count": torch.zeros(n, dtype=torch.int32),
-            "max_radii": torch.zeros(n),
-        }
-        for i, s in owned.items():
-            keep = contributed[s.ids]
-            if s.means2d.grad is None or not keep.any():
-                continue
-            accumulate_stats(acc, s.select(keep), cameras[i], s.means2d.grad[keep], n_cams)
+        acc = empty_stats(n)
+        for i in sorted(back):  # camera order: the sums must not depend on who rendered what
+            accumulate_stats(acc, owned[i].ids, owned[i].radii, back[i][0], contributed, cameras[i], n_cams)
 
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
+        optimizer = SparseAdam(grads, contributed, lrs, adam)
         stepped = []
         for b, k in enumerate(keys):
             lo, hi = g.offsets[b], g.offsets[b + 1]
-            rows = torch.nonzero(contributed[lo:hi]).squeeze(1)
-            if rows.numel() == 0:
-                continue
             t = blocks[k]
-            sparse_adam_step(t, {name: gr[lo:hi] for name, gr in grads.items()}, rows, lrs, adam)
-            t["grad2d"] += acc["grad2d"][lo:hi]
-            t["count"] += acc["count"][lo:hi]
-            torch.maximum(t["max_radii"], acc["max_radii"][lo:hi], out=t["max_radii"])
+            rows = optimizer.step(t, lo, cached[k].arrays(numpy_arrays))
+            if rows == 0:
+                continue
+            t["grad2d"] += torch.from_numpy(acc["grad2d"][lo:hi]).to(t["grad2d"].device)
+            t["count"] += torch.from_numpy(acc["count"][lo:hi]).to(t["count"].device)
+            torch.maximum(t["max_radii"], torch.from_numpy(acc["max_radii"][lo:hi]).to(t["max_radii"].device),
+                          out=t["max_radii"])
             cache.mark_dirty(k)
             stepped.append(k)
-            stats.contributed += int(rows.numel())
+            stats.contributed += rows
         stats.extents = _extents({k: blocks[k] for k in stepped})
         if losses:
             stats.loss = float(torch.stack(losses).mean())
@@ -292,7 +260,7 @@ def render_cameras(
         try:
             blocks = {k: cache.get(k).tensors for k in keys}
             g = gather(blocks, keys, requires_grad=False)
-            owned = project_owned(g, [keys], [cam], sh_degree, backend)
+            owned = project_owned(g, [keys], [cam], sh_degree, backend).splats
         finally:
             cache.unpin(keys)
         mine = {i: owned[0]} if 0 in owned else {}

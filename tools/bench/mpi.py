@@ -26,6 +26,10 @@ metrics files: CPU seconds of each rank in the compute phases (project, render, 
 headline: a rank's own CPU time is its work, however the 8 ranks share the 2 cores and however long
 it waits in collectives), splats projected and rasterized, the Gaussians each rank owns, and step
 seconds (which mean little when 8 ranks share 2 cores, and which include waiting in collectives).
+The imbalance training runs `--repeats` times with the same seed: identical work (checked on the
+splat counts), so the mean of the runs' CPU seconds per rank and step is each rank's work with the
+timing noise averaged down; the noise floor it prints is what equal work would read with the
+noise left.
 """
 from __future__ import annotations
 
@@ -314,6 +318,7 @@ class ScalingConfig:
     wide_ranks: int = 8
     wide_max_per_block: int = 1024  # about four blocks a rank of the default wall
     wide_batch: int = 1  # cameras per rank per step of the imbalance run
+    wide_repeats: int = 4  # identical imbalance runs: their mean per rank and step averages timing noise out
 
 
 SCALING_TARGET = 1.7
@@ -359,21 +364,25 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     data = make_wall(work, cfg.wall)
     store = tile(data, work / f"{data.name}-{cfg.wide_max_per_block}.zarr", cfg.wide_max_per_block)
     size = store_size(store)
-    r = cfg.wide_ranks
+    r, k = cfg.wide_ranks, cfg.wide_repeats
     print(f"\n[imbalance] {r} ranks x batch {cfg.wide_batch} on the wall scene, {size.gaussians:,} Gaussians in {size.blocks} "
-          f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out); work counts are exact, seconds "
-          f"are not ({r} ranks share {os.cpu_count()} cores)")
-    run, again = (train(data, store, work / f"imbalance-{r}{suffix}", cfg.wide_steps, "--max-eval-images", "1",
-                        "--batch-size", str(cfg.wide_batch), ranks=r) for suffix in ("", "-repeat"))
+          f"blocks, {cfg.wide_steps} steps (the first {cfg.wide_warmup} left out), {k} identical runs (same seed, "
+          f"same plan); work counts are exact, CPU seconds are not ({r} ranks share {os.cpu_count()} cores)")
+    runs = [train(data, store, work / f"imbalance-{r}-{i}", cfg.wide_steps, "--max-eval-images", "1",
+                  "--batch-size", str(cfg.wide_batch), ranks=r) for i in range(k)]
+    run, warm = runs[0], cfg.wide_warmup
+    counts = ("projected", "local", "received")
+    same = all(np.array_equal(x.column(c, warm), run.column(c, warm)) for x in runs[1:] for c in counts)
     owned = run.column("owned", 0)[:, 0]  # [R] Gaussians each rank owns (the trainer's `owned_blocks`)
-    warm = cfg.wide_warmup
     rasterized = run.column("local", warm) + run.column("received", warm)  # [R, steps]
     projected = run.column("projected", warm)
-    cpu = {phase: run.column(f"cpu_{phase}", warm) for phase in COMPUTE_PHASES}  # [R, steps] each
-    compute = sum(cpu.values())
+    cpu = {phase: np.mean([x.column(f"cpu_{phase}", warm) for x in runs], axis=0) for phase in COMPUTE_PHASES}
+    compute_runs = np.stack([sum(x.column(f"cpu_{phase}", warm) for phase in COMPUTE_PHASES) for x in runs])
+    compute = compute_runs.mean(axis=0)  # [R, steps]
     measures = {"Gaussians owned": owned[:, None], "splats rasterized": rasterized, "splats projected": projected,
                 "projected + rasterized": projected + rasterized, "step seconds": run.column("seconds", warm),
                 **{f"CPU s, {phase}": c for phase, c in cpu.items()}, "CPU s, compute": compute}
+    print(f"work counts identical in the {k} runs: {'yes' if same else 'NO'}; CPU seconds below: mean of the runs")
     print(f"{'max / mean over ranks':26s} {'per step (mean)':>16s} {'per step (max)':>15s} {'whole run':>10s}")
     for label, x in measures.items():
         step = _max_over_mean(x)
@@ -383,24 +392,35 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     for rank in range(r):
         print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f} "
               f"{compute[rank].mean() * 1e3:20.1f}")
-    _noise_floor(compute, sum(again.column(f"cpu_{phase}", warm) for phase in COMPUTE_PHASES))
+    singles = " ".join(f"{_max_over_mean(c).mean():.3f}" for c in compute_runs)
+    print(f"compute CPU max/mean per step of each run alone: {singles}")
+    if k > 1:
+        _noise_floor(compute_runs)
     headline = _max_over_mean(compute).mean()
-    print(f"work imbalance (compute CPU seconds of each rank, max/mean per step) {headline:.3f} "
-          f"(target <= {IMBALANCE_TARGET}): {'met' if headline <= IMBALANCE_TARGET else 'MISSED'}")
+    print(f"work imbalance (compute CPU seconds of each rank, mean of {k} identical runs, max/mean per step) "
+          f"{headline:.3f} (target <= {IMBALANCE_TARGET}): {'met' if headline <= IMBALANCE_TARGET else 'MISSED'}")
 
 
-def _noise_floor(first: np.ndarray, second: np.ndarray, draws: int = 2000) -> None:  # [R, steps] CPU s each
-    """Print how much of the per-step imbalance is timing noise. The two runs do identical work
-    (same seed, same plan), so their difference per (rank, step) is noise alone; ranks with equal
-    work and that much noise would show the simulated max/mean printed as the floor."""
-    noise = float((first - second).std() / np.sqrt(2.0))
+def _noise_floor(runs: np.ndarray, draws: int = 2000) -> None:  # [K, R, steps] CPU s of K identical runs
+    """Print how much of the per-step imbalance is timing noise. The runs do identical work, so
+    their spread around their mean per (rank, step) is noise. Only the part that differs between
+    ranks moves max/mean (a step that every rank ran slower, because of other load, does not), so
+    the spread common to all ranks of a run's step is taken out. Ranks with exactly equal work
+    and that much noise would show the simulated max/mean printed as the floor."""
+    k, r, steps = runs.shape
+    spread = runs - runs.mean(axis=0)
+    spread -= spread.mean(axis=1, keepdims=True)
+    noise = float(np.sqrt((spread ** 2).sum() / ((k - 1) * (r - 1) * steps)))
     rng = np.random.default_rng(0)
-    level = first.mean(axis=0)  # [steps] every rank at the step's mean work
-    equal = level + rng.normal(0.0, noise, size=(draws, *first.shape))
-    floor = float((equal.max(axis=1) / equal.mean(axis=1)).mean())
-    print(f"timing noise: {noise * 1e3:.1f} ms CPU per rank and step (of {first.mean() * 1e3:.1f} ms; from a repeat "
-          f"of the same run); equal work with that noise reads {floor:.3f} per step. Second run "
-          f"{_max_over_mean(second).mean():.3f}, mean of the two runs {_max_over_mean((first + second) / 2).mean():.3f}")
+    level = runs.mean(axis=(0, 1))  # [steps] every rank at the step's mean work
+
+    def floor(std: float) -> float:
+        equal = level + rng.normal(0.0, std, size=(draws, r, steps))
+        return float((equal.max(axis=1) / equal.mean(axis=1)).mean())
+
+    print(f"timing noise between ranks: {noise * 1e3:.1f} ms CPU per rank and step (of {runs.mean() * 1e3:.1f} ms); "
+          f"equal work with that noise reads {floor(noise):.3f} per step in one run, {floor(noise / np.sqrt(k)):.3f} "
+          f"in the mean of {k}")
 
 
 def scaling(argv: list[str]) -> int:
@@ -413,7 +433,11 @@ def scaling(argv: list[str]) -> int:
     p.add_argument("--ranks", type=int, default=ScalingConfig.wide_ranks, help="ranks of the imbalance run")
     p.add_argument("--batch-size", type=int, default=ScalingConfig.wide_batch,
                    help="cameras per rank per step of the imbalance run")
+    p.add_argument("--repeats", type=int, default=ScalingConfig.wide_repeats,
+                   help="identical runs of the imbalance part, averaged per rank and step")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be at least 1")
     if a.ranks < 2:
         p.error("--ranks must be at least 2")
     if a.batch_size < 1:
@@ -422,8 +446,8 @@ def scaling(argv: list[str]) -> int:
         print(f"error: {a.data}: no lund_door folder (pass --data)", file=sys.stderr)
         return 2
     cfg = (ScalingConfig(data_factor=8, steps=8, warmup=3, repeats=1, wall=QUICK_WALL, wide_steps=5,
-                         wide_ranks=a.ranks, wide_max_per_block=256, wide_batch=a.batch_size) if a.quick
-           else ScalingConfig(wide_ranks=a.ranks, wide_batch=a.batch_size))
+                         wide_ranks=a.ranks, wide_max_per_block=256, wide_batch=a.batch_size, wide_repeats=min(a.repeats, 2))
+           if a.quick else ScalingConfig(wide_ranks=a.ranks, wide_batch=a.batch_size, wide_repeats=a.repeats))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
     with scratch(a.work) as work:
         try:

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from train.camera import Camera
 from train.render.cpu.function import rasterize_cpu
-from train.render.cpu.projection import project_cpu
+from train.render.batch import AutogradBatch, ProjectedBatch, View
+from train.render.cpu.projection import CpuProjectedBatch, project_cpu
 from train.render.errors import RenderError, all_finite
 from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
 from train.render.splats2d import RasterOutput, Splats2D
@@ -89,6 +90,24 @@ def project(splats: dict[str, Tensor], camera: Camera, sh_degree: int, backend: 
     if device.type != "cpu":
         raise RenderError(f"backend 'cpu' projects CPU tensors, got splats on {device}")
     return project_cpu(splats, camera, sh_degree)
+
+
+def project_batch(splats: dict[str, Tensor], views: list[View], sh_degree: int, backend: Backend = "cpu",
+                  check: bool = True) -> ProjectedBatch:
+    """`splats` projected into each view's camera (only the view's rows, all where None), with one
+    backward for all cameras: what an owner does for the cameras of a step. The splats are
+    checked once for all views (check=False: the caller did)."""
+    if check:
+        check_splats(splats, sh_degree)
+    device = splats["means"].device
+    _check_backend(backend, device, "the splats")
+    if backend == "cuda":
+        from train.render.cuda import project_cuda  # importing gsplat takes seconds; CPU runs skip it
+
+        return AutogradBatch(splats, views, lambda s, camera: project_cuda(s, camera, sh_degree))
+    if device.type != "cpu":
+        raise RenderError(f"backend 'cpu' projects CPU tensors, got splats on {device}")
+    return CpuProjectedBatch(splats, views, sh_degree)
 
 
 def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[float] | None = None,

@@ -95,16 +95,6 @@ class Splats2D:
         return Splats2D(means2d, conics, depths[:, 0].contiguous(), opacities, colors,
                         radii.round().to(torch.int32), ids.to(torch.int64))
 
-    def backward(self, grads: Tensor) -> None:
-        """Continue autograd through this splats' projection with gradients [M, 9] from `pack_grads`."""
-        outs, grad_outs = [], []
-        for t, g in zip(self.differentiable(), unpack_grads(grads)):
-            if t.requires_grad:
-                outs.append(t)
-                grad_outs.append(g.reshape(t.shape).to(t.device))
-        if outs:
-            torch.autograd.backward(outs, grad_outs)
-
 
 def pack_grads(splats: Splats2D) -> Tensor:  # [M, 9] float32
     """The gradients accumulated on an unpacked `Splats2D`'s leaves (zeros where none arrived)."""

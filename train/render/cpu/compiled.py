@@ -19,13 +19,13 @@ from pathlib import Path
 
 
 def _dispatchers() -> list:
-    from train import optim, ssim
+    from train import optim, ssim, stats
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, optim._adam_rows_cpu, optim._adam_block_cpu,
-            ssim._ssim_forward, ssim._ssim_backward]
+            ssim._ssim_forward, ssim._ssim_backward, stats._accumulate]
 
 
 def cached() -> bool:
@@ -49,8 +49,8 @@ def ensure_compiled() -> None:
 
 
 def _compile_all() -> None:
-    """Project, rasterize, take the training loss and backpropagate a small scene, and step sparse
-    Adam on a block."""
+    """Project, rasterize, take the training loss and backpropagate a small scene, step sparse
+    Adam on a block and gather its densification statistics."""
     import numpy as np
     import torch
 
@@ -59,6 +59,7 @@ def _compile_all() -> None:
     from train.losses import photometric_loss
     from train.optim import AdamConfig, sparse_adam_step
     from train.render import project, rasterize
+    from train.stats import accumulate_stats, empty_stats
 
     n, sh_degree = 64, 3
     rng = np.random.default_rng(0)
@@ -77,6 +78,9 @@ def _compile_all() -> None:
     photometric_loss(out.rgb, torch.full_like(out.rgb, 0.5)).backward()
     grads = {name: p.grad for name, p in params.items()}
     sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
+    acc = empty_stats(n)
+    accumulate_stats(acc, torch.arange(n), torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, 9),
+                     torch.ones(n, dtype=torch.bool), camera, 1)
 
 
 if __name__ == "__main__":

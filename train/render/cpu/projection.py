@@ -20,7 +20,8 @@ from train.camera import Camera
 from train.render.cpu.mat3 import matmul, matvec, quat_to_rotmat, rotmat_vjp, transpose
 from train.render.cpu.sh import sh_basis, sh_basis_grads
 from train.render.semantics import ALPHA_MIN, EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS, num_sh_bases
-from train.render.splats2d import Splats2D
+from train.render.errors import RenderError
+from train.render.splats2d import GRAD_FLOATS, Splats2D
 
 _FOV_MARGIN = 0.3  # the Jacobian is evaluated at most 30% of a half field of view outside the image
 _NORM_EPS = 1e-12  # as torch's F.normalize
@@ -77,9 +78,11 @@ def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _project(means, quats, scales, logits, cam, width, height, means2d, conics, depths, opacities, radii, keep):
-    for g in prange(means.shape[0]):
-        keep[g] = False
+def _project(means, quats, scales, logits, cam, width, height, rows, means2d, conics, depths, opacities, radii, keep):
+    """Projects the Gaussians `rows`; output j belongs to rows[j]."""
+    for j in prange(rows.size):
+        g = rows[j]
+        keep[j] = False
         R, pc, q, qn, rq, s, rs, cov_c = _splat_frame(means, quats, scales, cam, g)
         z = pc[2]
         if not (NEAR_PLANE <= z <= FAR_PLANE):
@@ -98,11 +101,11 @@ def _project(means, quats, scales, logits, cam, width, height, means2d, conics, 
         if (rad_x <= 0.0 and rad_y <= 0.0) or u + rad_x <= 0.0 or u - rad_x >= width \
                 or v + rad_y <= 0.0 or v - rad_y >= height:
             continue
-        keep[g] = True
-        means2d[g, 0], means2d[g, 1] = u, v
-        conics[g, 0], conics[g, 1], conics[g, 2] = c11 / det, -c01 / det, c00 / det
-        depths[g], opacities[g] = z, o
-        radii[g, 0], radii[g, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
+        keep[j] = True
+        means2d[j, 0], means2d[j, 1] = u, v
+        conics[j, 0], conics[j, 1], conics[j, 2] = c11 / det, -c01 / det, c00 / det
+        depths[j], opacities[j] = z, o
+        radii[j, 0], radii[j, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
 
 
 @njit(cache=True, nogil=True)
@@ -138,10 +141,10 @@ def _colors(means, sh0, shN, ids, cam, n_bases, colors):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
-                 v_means2d, v_conics, v_opacities, v_colors,
+def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases, v,
                  g_means, g_quats, g_scales, g_logits, g_sh0, g_shN):
-    """Gradients of the kept rows `ids` into the (zeroed) full-size g_* arrays."""
+    """Adds the gradients of the kept rows `ids` (unique) to the full-size g_* arrays. v [M, 9]:
+    the gradients of means2d, conics, opacities and colours in `pack_grads` layout."""
     fx, fy = cam[12], cam[13]
     for i in prange(ids.size):
         g = ids[i]
@@ -154,7 +157,7 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
         det = c00 * c11 - c01 * c01
         qa, qb, qc = c11 / det, -c01 / det, c00 / det  # the conic Q = C^-1
         # Q = C^-1 => dL/dC = -Q G Q with G the symmetric gradient of Q (off-diagonal split in two).
-        ga, gb, gc = float(v_conics[i, 0]), 0.5 * float(v_conics[i, 1]), float(v_conics[i, 2])
+        ga, gb, gc = float(v[i, 2]), 0.5 * float(v[i, 3]), float(v[i, 4])
         t00, t01, t10, t11 = qa * ga + qb * gb, qa * gb + qb * gc, qb * ga + qc * gb, qb * gb + qc * gc
         vc00 = -(t00 * qa + t01 * qb)
         vc01 = -(t00 * qb + t01 * qc)
@@ -176,7 +179,7 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
         v_j11 = 2.0 * (vc01 * j0s[1] + vc11 * j1s[1])
         v_j12 = 2.0 * (vc01 * j0s[2] + vc11 * j1s[2])
         # J and means2d = (fx x/z + cx, fy y/z + cy) -> camera-space mean.
-        vu, vv = float(v_means2d[i, 0]), float(v_means2d[i, 1])
+        vu, vv = float(v[i, 0]), float(v[i, 1])
         zz = z * z
         v_x = vu * fx / z + (v_j02 * -fx / zz if free_x else 0.0)
         v_y = vv * fy / z + (v_j12 * -fy / zz if free_y else 0.0)
@@ -191,21 +194,21 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
         v_rq = (v_rs[0] * s[0], v_rs[1] * s[1], v_rs[2] * s[2], v_rs[3] * s[0], v_rs[4] * s[1], v_rs[5] * s[2],
                 v_rs[6] * s[0], v_rs[7] * s[1], v_rs[8] * s[2])
         for j in range(3):
-            g_scales[g, j] = s[j] * (v_rs[j] * rq[j] + v_rs[3 + j] * rq[3 + j] + v_rs[6 + j] * rq[6 + j])
+            g_scales[g, j] += s[j] * (v_rs[j] * rq[j] + v_rs[3 + j] * rq[3 + j] + v_rs[6 + j] * rq[6 + j])
         v_q = rotmat_vjp(q[0], q[1], q[2], q[3], v_rq)
         dot = q[0] * v_q[0] + q[1] * v_q[1] + q[2] * v_q[2] + q[3] * v_q[3]
         for j in range(4):
-            g_quats[g, j] = (v_q[j] - q[j] * dot) / qn
+            g_quats[g, j] += (v_q[j] - q[j] * dot) / qn
         o = 1.0 / (1.0 + math.exp(-float(logits[g])))
-        g_logits[g] = v_opacities[i] * o * (1.0 - o)
+        g_logits[g] += v[i, 5] * o * (1.0 - o)
         # Colour: the direction from the camera moves with the mean.
         n, dist = _view_dir(means, cam, g)
         basis = sh_basis(n[0], n[1], n[2])
         raw = _sh_raw(sh0, shN, g, basis, n_bases)
         # The clamp at 0 passes the gradient where the value is >= 0, as torch's clamp_min does.
-        v_raw = (float(v_colors[i, 0]) if raw[0] + 0.5 >= 0.0 else 0.0,
-                 float(v_colors[i, 1]) if raw[1] + 0.5 >= 0.0 else 0.0,
-                 float(v_colors[i, 2]) if raw[2] + 0.5 >= 0.0 else 0.0)
+        v_raw = (float(v[i, 6]) if raw[0] + 0.5 >= 0.0 else 0.0,
+                 float(v[i, 7]) if raw[1] + 0.5 >= 0.0 else 0.0,
+                 float(v[i, 8]) if raw[2] + 0.5 >= 0.0 else 0.0)
         gx, gy, gz = sh_basis_grads(n[0], n[1], n[2])
         vn_x, vn_y, vn_z = 0.0, 0.0, 0.0
         for b in range(n_bases):
@@ -213,20 +216,39 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases,
             for c in range(3):
                 w += _coeff(sh0, shN, g, b, c) * v_raw[c]
                 if b == 0:
-                    g_sh0[g, 0, c] = basis[b] * v_raw[c]
+                    g_sh0[g, 0, c] += basis[b] * v_raw[c]
                 else:
-                    g_shN[g, b - 1, c] = basis[b] * v_raw[c]
+                    g_shN[g, b - 1, c] += basis[b] * v_raw[c]
             vn_x += w * gx[b]
             vn_y += w * gy[b]
             vn_z += w * gz[b]
         ndot = n[0] * vn_x + n[1] * vn_y + n[2] * vn_z
-        g_means[g, 0] = v_mean[0] + (vn_x - n[0] * ndot) / dist
-        g_means[g, 1] = v_mean[1] + (vn_y - n[1] * ndot) / dist
-        g_means[g, 2] = v_mean[2] + (vn_z - n[2] * ndot) / dist
+        g_means[g, 0] += v_mean[0] + (vn_x - n[0] * ndot) / dist
+        g_means[g, 1] += v_mean[1] + (vn_y - n[1] * ndot) / dist
+        g_means[g, 2] += v_mean[2] + (vn_z - n[2] * ndot) / dist
 
 
 def _array(t: Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
+
+
+_PARAM_ORDER = ("means", "quats", "scales", "opacities", "sh0", "shN")  # the kernels' argument order
+
+
+def _project_rows(arrays: list[np.ndarray], cam: np.ndarray, width: int, height: int, rows: np.ndarray,
+                  n_bases: int) -> tuple[np.ndarray, ...]:
+    """means2d [M, 2], conics [M, 3], opacities [M], colors [M, 3], depths [M], radii [M, 2] and
+    ids [M] (int64, a subset of `rows`) of the rows that land in the image."""
+    n = len(rows)
+    means2d, conics = np.empty((n, 2), np.float32), np.empty((n, 3), np.float32)
+    depths, opacities = np.empty(n, np.float32), np.empty(n, np.float32)
+    radii, keep = np.empty((n, 2), np.int32), np.empty(n, np.bool_)
+    _project(arrays[0], arrays[1], arrays[2], arrays[3], cam, width, height, rows,
+             means2d, conics, depths, opacities, radii, keep)
+    ids = rows[keep]
+    colors = np.empty((len(ids), 3), np.float32)
+    _colors(arrays[0], arrays[4], arrays[5], ids, cam, n_bases, colors)
+    return means2d[keep], conics[keep], opacities[keep], colors, depths[keep], radii[keep], ids
 
 
 class _Project(torch.autograd.Function):
@@ -234,35 +256,66 @@ class _Project(torch.autograd.Function):
     def forward(ctx, means: Tensor, quats: Tensor, scales: Tensor, logits: Tensor, sh0: Tensor, shN: Tensor,
                 cam: np.ndarray, width: int, height: int, n_bases: int):
         arrays = [_array(t) for t in (means, quats, scales, logits, sh0, shN)]
-        n = len(means)
-        means2d, conics = np.empty((n, 2), np.float32), np.empty((n, 3), np.float32)
-        depths, opacities = np.empty(n, np.float32), np.empty(n, np.float32)
-        radii, keep = np.empty((n, 2), np.int32), np.empty(n, np.bool_)
-        _project(arrays[0], arrays[1], arrays[2], arrays[3], cam, width, height,
-                 means2d, conics, depths, opacities, radii, keep)
-        ids = np.flatnonzero(keep)
-        colors = np.empty((len(ids), 3), np.float32)
-        _colors(arrays[0], arrays[4], arrays[5], ids, cam, n_bases, colors)
+        *outs, ids = _project_rows(arrays, cam, width, height, np.arange(len(means)), n_bases)
         ctx.state = (arrays, cam, ids, n_bases)
-        outs = [torch.from_numpy(a[ids]) for a in (means2d, conics, opacities)] + [torch.from_numpy(colors)]
-        fixed = torch.from_numpy(depths[ids]), torch.from_numpy(radii[ids]), torch.from_numpy(ids)
-        ctx.mark_non_differentiable(*fixed)
-        return (*outs, *fixed)
+        outs = [torch.from_numpy(a) for a in (*outs, ids)]
+        ctx.mark_non_differentiable(*outs[4:])
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, v_means2d, v_conics, v_opacities, v_colors, _v_depths, _v_radii, _v_ids):
         arrays, cam, ids, n_bases = ctx.state
         grads = [np.zeros_like(a) for a in arrays]
-        _project_vjp(*arrays, cam, ids, n_bases, _array(v_means2d), _array(v_conics), _array(v_opacities),
-                     _array(v_colors), *grads)
+        v = torch.cat([v_means2d, v_conics, v_opacities[:, None], v_colors], dim=1)
+        _project_vjp(*arrays, cam, ids, n_bases, _array(v), *grads)
         return (*(torch.from_numpy(g) for g in grads), None, None, None, None)
 
 
 def project_cpu(splats: dict[str, Tensor], camera: Camera, sh_degree: int) -> Splats2D:
     """The splats (CPU float32 tensors) that land in the image; differentiable w.r.t. every parameter."""
     means2d, conics, opacities, colors, depths, radii, ids = _Project.apply(
-        splats["means"], splats["quats"], splats["scales"], splats["opacities"], splats["sh0"], splats["shN"],
-        camera_params(camera), camera.width, camera.height, num_sh_bases(sh_degree))
+        *(splats[name] for name in _PARAM_ORDER), camera_params(camera), camera.width, camera.height,
+        num_sh_bases(sh_degree))
     if means2d.requires_grad:
         means2d.retain_grad()  # densification reads the screen-space gradient per splat
     return Splats2D(means2d, conics, depths, opacities, colors, radii, ids)
+
+
+class CpuProjectedBatch:
+    """One batch of Gaussians projected into several cameras, with one backward for all of them.
+
+    An owner projects its Gaussians into every camera of a step that sees them. Through autograd
+    each camera cost an indexing of the batch, a full-size zero gradient and its accumulation, on
+    top of the kernels (~2 ms a camera at a few thousand Gaussians); here a camera costs its
+    kernels alone. Gradients are summed into one set of arrays in camera order, so a Gaussian's
+    sum does not depend on which other Gaussians were batched with it."""
+
+    def __init__(self, splats: dict[str, Tensor], views: list[tuple[int, Camera, np.ndarray | None]],
+                 sh_degree: int) -> None:
+        self._params = [splats[name] for name in _PARAM_ORDER]
+        self._arrays = [_array(t) for t in self._params]
+        self._n_bases = num_sh_bases(sh_degree)
+        self._state: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # camera -> (camera params, ids)
+        self.splats: dict[int, Splats2D] = {}
+        n = len(self._arrays[0])
+        for i, camera, rows in views:
+            cam = camera_params(camera)
+            rows = np.arange(n) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+            means2d, conics, opacities, colors, depths, radii, ids = (
+                torch.from_numpy(a) for a in _project_rows(self._arrays, cam, camera.width, camera.height, rows,
+                                                           self._n_bases))
+            self._state[i] = cam, ids.numpy()
+            self.splats[i] = Splats2D(means2d, conics, depths, opacities, colors, radii, ids)
+
+    def backward(self, grads: dict[int, Tensor]) -> None:  # camera -> [M, 9] in pack_grads layout
+        """Adds the parameters' gradients to their `.grad`."""
+        sums = [np.zeros_like(a) for a in self._arrays]
+        for i in sorted(grads):
+            cam, ids = self._state[i]
+            v = _array(grads[i].to(torch.float32))
+            if v.shape != (len(ids), GRAD_FLOATS):
+                raise RenderError(f"camera {i}: gradients of shape {v.shape}, expected ({len(ids)}, {GRAD_FLOATS})")
+            _project_vjp(*self._arrays, cam, ids, self._n_bases, v, *sums)
+        for p, g in zip(self._params, sums):
+            if p.requires_grad:
+                p.grad = torch.from_numpy(g) if p.grad is None else p.grad + torch.from_numpy(g)
