@@ -1,6 +1,9 @@
 """Render the garden scene with the cuda and the cpu backends and print how far apart they are:
-one camera through `render` (image, flags, gradients), then an owner's `project_batch` into all
-three cameras, each seeing part of the splats, with one backward (splats and gradients).
+one camera through `render` (image, flags, gradients); an owner's `project_batch` into all three
+cameras, each seeing part of the splats, with one backward (splats and gradients); and the same
+Splats2D through both rasterizers, with the pixel where they differ most checked against the
+float64 dense reference (and whether two splats covering it tie in depth: the backends order
+depth ties differently, docs/render.md).
 
     python -m tools.gpu_check [path/to/test_garden.npz]
 
@@ -14,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-from train.render import project_batch, render
+from train.render import project, project_batch, rasterize, render
+from train.render.reference import rasterize_dense
+from train.render.splats2d import Splats2D
 from train.render.splats2d import GRAD_FLOATS
 from train.render.errors import RenderError
 from train.render.scenes import load_garden
@@ -85,13 +90,49 @@ def compare_batch_projection(data: str | Path) -> dict[str, float]:
     return report
 
 
+def _on(s: Splats2D, device: str, dtype: torch.dtype = torch.float32) -> Splats2D:
+    return Splats2D(*(t.to(device, dtype) if t.is_floating_point() else t.to(device)
+                      for t in (s.means2d, s.conics, s.depths, s.opacities, s.colors, s.radii, s.ids)))
+
+
+def compare_rasterizers(data: str | Path, patch: int = 9) -> dict[str, float]:
+    """Per camera: max and mean abs difference of the two rasterizers on identical splats, and at
+    the worst pixel each one's distance to the float64 dense reference (on a patch around it)."""
+    splats, cameras = load_garden(data)
+    bg = torch.tensor([0.2, 0.3, 0.4])
+    report = {}
+    for ci, cam in enumerate(cameras):
+        with torch.no_grad():
+            s = project(splats, cam, 3)
+            cpu = rasterize(s, cam, bg).rgb
+            gpu = rasterize(_on(s, "cuda"), cam, bg.cuda(), backend="cuda").rgb.cpu()
+        d = (gpu - cpu).abs().amax(-1)
+        y, x = divmod(int(d.flatten().argmax()), cam.width)
+        x0, y0 = max(0, x - patch // 2), max(0, y - patch // 2)
+        near = (((s.means2d[:, 0] - x).abs() < s.radii[:, 0] + patch)
+                & ((s.means2d[:, 1] - y).abs() < s.radii[:, 1] + patch))
+        sub = _on(s.select(near), "cuda", torch.float64)
+        sub.means2d -= torch.tensor([x0, y0], dtype=torch.float64, device="cuda")
+        ref = rasterize_dense(sub, patch, patch, bg.double().cuda()).rgb.cpu()[y - y0, x - x0].float()
+        dx, dy = s.means2d[:, 0] - (x + 0.5), s.means2d[:, 1] - (y + 0.5)
+        sigma = 0.5 * (s.conics[:, 0] * dx * dx + s.conics[:, 2] * dy * dy) + s.conics[:, 1] * dx * dy
+        covering = (sigma >= 0) & (s.opacities * torch.exp(-sigma) >= 1.0 / 255.0)
+        depths = s.depths[covering]
+        report |= {f"raster_cam{ci}_max_abs": float(d.max()), f"raster_cam{ci}_mean_abs": float(d.mean()),
+                   f"raster_cam{ci}_pixels_over_1e-2": float((d > 1e-2).sum()),
+                   f"raster_cam{ci}_worst_cuda_vs_ref64": float((gpu[y, x] - ref).abs().max()),
+                   f"raster_cam{ci}_worst_cpu_vs_ref64": float((cpu[y, x] - ref).abs().max()),
+                   f"raster_cam{ci}_worst_depth_ties": float(len(depths) - len(torch.unique(depths)))}
+    return report
+
+
 def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to compare (run it on a machine with a GPU)")
         return 0
     data = Path(argv[0]) if argv else DEFAULT_DATA
     try:
-        report = compare_backends(data) | compare_batch_projection(data)
+        report = compare_backends(data) | compare_batch_projection(data) | compare_rasterizers(data)
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

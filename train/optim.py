@@ -130,7 +130,7 @@ class SparseAdam:
     ) -> None:
         self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
         self._compiled = None
-        if mask.device.type == "cpu":
+        if mask.device.type == "cpu" and all(grads[x].device.type == "cpu" for x in PARAM_NAMES):
             # (explicit widths: a rank that sees nothing this step has an empty batch)
             g = tuple(grads[x].reshape(len(mask), math.prod(grads[x].shape[1:])).contiguous().numpy()
                       for x in PARAM_NAMES)

@@ -171,7 +171,7 @@ def train_step(
         kept = {i: Splats2D.unpack(s.pack(), ids=s.ids) for i, s in owned.items() if cam_rank[i] == rank}
 
         n = g.offsets[-1]
-        contributed = torch.zeros(n, dtype=torch.bool)
+        contributed = torch.zeros(n, dtype=torch.bool, device=g.params["means"].device)
         flags_of: dict[tuple[int, int], Tensor] = {}  # (source rank, camera) -> [M] contributed
         losses, psnrs = [], []
         for i in (i for i in range(n_cams) if cam_rank[i] == rank):
