@@ -70,6 +70,13 @@ class Block:
     pins: int = 0
     _arrays: tuple[dict, dict | None] | None = field(default=None, repr=False)  # (tensors, their arrays)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Arrays derived from tensors the block lets go of (evicted, moved to another tier) would
+        # keep their memory alive outside the budget.
+        if name == "tensors":
+            object.__setattr__(self, "_arrays", None)
+        object.__setattr__(self, name, value)
+
     def arrays(self, make: Callable[[dict[str, Tensor]], dict | None]) -> dict | None:
         """`make(tensors)` (numpy views of them, say), kept while `tensors` stays the same dict:
         the trainer steps the same resident blocks step after step, and 22 conversions to numpy

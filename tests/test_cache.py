@@ -281,7 +281,8 @@ def test_derived_arrays_are_kept_while_the_tensors_stay_and_dropped_with_them(tm
     np.testing.assert_array_equal(first["means"], data["2-0"]["means"] + 1.0)
     cache.mark_dirty("2-0")
     cache.get("2-1")  # evicts 2-0 (written back)
-    again = cache.get("2-0")
+    again = cache.get("2-0")  # waits for that write
+    assert block.tensors == {} and block._arrays is None  # nothing kept the evicted memory
     assert again.arrays(views) is not first and len(made) == 2
     np.testing.assert_array_equal(again.arrays(views)["means"], data["2-0"]["means"] + 1.0)
     cache.close()
