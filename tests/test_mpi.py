@@ -36,10 +36,10 @@ def _mpirun(n: int, args: list[str], timeout: float = 400) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _train(n: int, data: Path, store: Path, out: Path, global_batch: int = 4, steps: int = 6):
+def _train(n: int, data: Path, store: Path, out: Path, *options: str, global_batch: int = 4, steps: int = 6):
     proc = _mpirun(n, ["-m", "train", "--data", str(data / "lund_door"), "--store", str(store), "--out", str(out),
                        "--steps", str(steps), "--batch-size", str(global_batch // n), "--data-factor", "16",
-                       "--commit-every", "3", "--no-progress", "--deterministic"])
+                       "--commit-every", "3", "--no-progress", "--deterministic", *options])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -50,10 +50,16 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
         stores[n] = tmp_path / f"r{n}.zarr"
         shutil.copytree(lund_store, stores[n])
         _train(n, shared_data, stores[n], tmp_path / f"out{n}")
+    # Resumed under another number of ranks (ownership recomputed): 2 ranks to step 3, 4 from there.
+    stores["2+4"] = tmp_path / "r2+4.zarr"
+    shutil.copytree(lund_store, stores["2+4"])
+    _train(2, shared_data, stores["2+4"], tmp_path / "out2+4a", "--stop-at", "3")
+    assert Store.open(stores["2+4"], mode="r").state["step"] == 3
+    _train(4, shared_data, stores["2+4"], tmp_path / "out2+4b", "--resume")
     ref = Store.open(stores[1], mode="r")
     assert ref.state["step"] == 6
     stepped = 0
-    for n in (2, 4):
+    for n in (2, 4, "2+4"):
         other = Store.open(stores[n], mode="r")
         assert other.state == ref.state and other.table.keys() == ref.table.keys()
         for k in ref.table:
@@ -83,6 +89,13 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
             # time (one compute thread a rank), never negative
             assert all(0 <= line["cpu" + p[1:]] <= line[p] + 2e-3 for p in phases)
             assert line["bytes_sent"] > 0 and line["received"] + line["local"] > 0
+    # rank 0's `imbalance` is max/mean over the ranks of each step's compute CPU seconds
+    steps = [[json.loads(l) for l in (tmp_path / "out4" / f"metrics.rank{r}.jsonl").read_text().splitlines()
+              if '"train"' in l] for r in range(4)]
+    for lines in zip(*steps):
+        work = np.array([sum(line[f"cpu_{p}"] for p in ("project", "render", "backprop", "adam")) for line in lines])
+        assert lines[0]["imbalance"] == pytest.approx(work.max() / work.mean(), rel=2e-3, abs=2e-3)
+        assert lines[0]["imbalance_seconds"] >= 1.0
     # the regions hold every Gaussian of the store once
     owned = [json.loads(next(l for l in p.read_text().splitlines() if '"train"' in l))["owned"] for p in rank_logs]
     assert sum(owned) == sum(i.count for i in Store.open(lund_store, mode="r").table.values())

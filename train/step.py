@@ -48,6 +48,10 @@ class StepStats:
     cpu: dict[str, float] = field(default_factory=dict)
 
 
+# The phases whose CPU seconds are a rank's work (the rest is paging and waiting on other ranks).
+COMPUTE_PHASES = ("project", "render", "backprop", "adam")
+
+
 class _Clock:
     """Adds the wall and CPU time since the last mark to a phase."""
 

@@ -25,7 +25,7 @@ from train.region import Region, ownership_weights
 from train.schedule import Schedule
 from train.assign import assign_cameras
 from octree.partition import partition
-from train.step import StepStats, train_step
+from train.step import COMPUTE_PHASES, StepStats, train_step
 
 
 class TrainError(RuntimeError):
@@ -229,7 +229,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                 seconds = time.time() - t0
                 region.update_extents(last.extents)
                 step += 1
-                imbalance = _imbalance(exchange, seconds)
+                imbalance, imbalance_seconds = _imbalance(exchange, last, seconds)
                 if last.skipped:
                     log.write("skipped", step, reason="non-finite loss or gradient")
                     bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
@@ -237,6 +237,7 @@ def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
                     log.write("train", step, loss=last.loss, psnr=last.psnr, owned=int(region.counts.sum()),
                               blocks=last.blocks, projected=last.projected, local=last.local, received=last.received,
                               contributed=last.contributed, seconds=seconds, imbalance=imbalance,
+                              imbalance_seconds=imbalance_seconds,
                               **{f"t_{phase}": round(t, 5) for phase, t in last.timings.items()},
                               **{f"cpu_{phase}": round(t, 5) for phase, t in last.cpu.items()},
                               bytes_sent=exchange.bytes_sent - sent0, bytes_received=exchange.bytes_received - received0,
@@ -293,12 +294,16 @@ def _commit(store: Store, cache: BlockCache, exchange: Exchange, step: int, cfg:
         store.refresh()
 
 
-def _imbalance(exchange: Exchange, seconds: float) -> float:
-    """max / mean of the ranks' step times (1.0 on one rank)."""
+def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[float, float]:
+    """max / mean over the ranks of the step's work (CPU seconds in the compute phases) and of its
+    wall seconds (1.0 on one rank). The wall times say little: collectives make every rank wait
+    for the slowest, and ranks sharing cores run at each other's expense."""
     if exchange.size == 1:
-        return 1.0
-    times = exchange.gather_rows(np.array([seconds]))[:, 0]
-    return float(times.max() / max(times.mean(), 1e-12))
+        return 1.0, 1.0
+    work = sum(stats.cpu.get(phase, 0.0) for phase in COMPUTE_PHASES)
+    rows = exchange.gather_rows(np.array([work, seconds]))  # [R, 2]
+    ratios = rows.max(axis=0) / np.maximum(rows.mean(axis=0), 1e-12)
+    return float(ratios[0]), float(ratios[1])
 
 
 def _cache_fields(cache: BlockCache) -> dict:

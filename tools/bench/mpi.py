@@ -53,6 +53,7 @@ from train.render import project
 from train.region import ownership_weights
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 from train.schedule import step_cameras
+from train.step import COMPUTE_PHASES
 
 # Bytes per travelling splat.
 OURS_FORWARD_FLOATS = WIRE_FLOATS  # 12; float32 or float16 on the wire
@@ -63,7 +64,6 @@ GSPLAT_BACKWARD_BYTES = 40  # gradients of the 10 float32 columns
 
 POLICIES = ("in-order", "balanced-blocks", "balanced-splats")
 # The step phases that compute (`train.step.StepStats.cpu`); io and exchange wait for others.
-COMPUTE_PHASES = ("project", "render", "backprop", "adam")
 _PROJECT_ROWS = 1 << 18  # Gaussians per projection call: bounds the temporaries to ~100 MB
 
 
@@ -387,7 +387,8 @@ def _work_balance(work: Path, cfg: ScalingConfig) -> None:
     for label, x in measures.items():
         step = _max_over_mean(x)
         print(f"{label:26s} {step.mean():>16.3f} {step.max():>15.3f} {_max_over_mean(x.sum(axis=1)):>10.3f}")
-    print(f"(the trainer's own `imbalance` field, max/mean of step seconds: {run.column('imbalance', warm)[0].mean():.3f})")
+    print(f"(the trainer's own fields, rank 0, per step: `imbalance` {run.column('imbalance', warm)[0].mean():.3f} "
+          f"(compute CPU seconds of one run), `imbalance_seconds` {run.column('imbalance_seconds', warm)[0].mean():.3f})")
     print("rank  Gaussians  rasterized/step  projected/step  compute CPU ms/step")
     for rank in range(r):
         print(f"{rank:4d} {owned[rank]:10,.0f} {rasterized[rank].mean():16,.0f} {projected[rank].mean():15,.0f} "
