@@ -68,7 +68,7 @@ class Block:
     tensors: dict[str, Tensor]  # every array of the block schema, [N, ...], on the tier's device
     dirty: bool = False
     pins: int = 0
-    _arrays: tuple[dict, dict | None] | None = field(default=None, repr=False)  # (tensors, their arrays)
+    _arrays: tuple[dict | None] | None = field(default=None, repr=False)  # (what `arrays` made,) once made
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Arrays derived from tensors the block lets go of (evicted, moved to another tier) would
@@ -78,12 +78,12 @@ class Block:
         object.__setattr__(self, name, value)
 
     def arrays(self, make: Callable[[dict[str, Tensor]], dict | None]) -> dict | None:
-        """`make(tensors)` (numpy views of them, say), kept while `tensors` stays the same dict:
+        """`make(tensors)` (numpy views of them, say), kept until `tensors` is replaced:
         the trainer steps the same resident blocks step after step, and 22 conversions to numpy
         cost more than the optimizer step of a small block. Dropped with the block."""
-        if self._arrays is None or self._arrays[0] is not self.tensors:
-            self._arrays = (self.tensors, make(self.tensors))
-        return self._arrays[1]
+        if self._arrays is None:  # (reset whenever `tensors` is replaced: __setattr__)
+            self._arrays = (make(self.tensors),)
+        return self._arrays[0]
 
     @property
     def count(self) -> int:

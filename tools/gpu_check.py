@@ -19,8 +19,7 @@ import torch
 
 from train.render import project, project_batch, rasterize, render
 from train.render.reference import rasterize_dense
-from train.render.splats2d import Splats2D
-from train.render.splats2d import GRAD_FLOATS
+from train.render.splats2d import GRAD_FLOATS, Splats2D
 from train.render.errors import RenderError
 from train.render.scenes import load_garden
 

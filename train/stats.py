@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 import torch
+from numba import njit
 from torch import Tensor
 
 from train.camera import Camera

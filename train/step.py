@@ -22,9 +22,9 @@ from train.exchange import Exchange
 from train.losses import photometric_loss, psnr
 from train.optim import AdamConfig, SparseAdam, numpy_arrays
 from train.region import Region
-from train.stats import accumulate_stats, empty_stats
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
+from train.stats import accumulate_stats, empty_stats
 
 
 @dataclass

@@ -63,7 +63,6 @@ GSPLAT_FORWARD_BYTES_INT64_IDS = 64  # what 1.5.3's CUDA projection allocates: i
 GSPLAT_BACKWARD_BYTES = 40  # gradients of the 10 float32 columns
 
 POLICIES = ("in-order", "balanced-blocks", "balanced-splats")
-# The step phases that compute (`train.step.StepStats.cpu`); io and exchange wait for others.
 _PROJECT_ROWS = 1 << 18  # Gaussians per projection call: bounds the temporaries to ~100 MB
 
 
