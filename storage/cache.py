@@ -285,6 +285,20 @@ class BlockCache:
         if key in self.store.table:
             self._removed.add(key)
 
+    def release(self, keys: Iterable[str]) -> None:
+        """Let go of clean blocks this process no longer needs (another process owns them now);
+        unlike `drop`, the store keeps them."""
+        for key in keys:
+            if key in self._loads:
+                self._discard_load(key)
+            for tier in self._tiers:
+                block = tier.blocks.get(key)
+                if block is not None:
+                    if block.dirty or block.pins:
+                        raise StoreError(f"cache of store {self.store.name}: block {key} is "
+                                         f"{'dirty' if block.dirty else 'pinned'}; only a clean block is released")
+                    tier.pop(key)
+
     def mark_dirty(self, key: str) -> None:
         block = self._tiers[0].blocks.get(key)
         if block is None:

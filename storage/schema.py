@@ -8,6 +8,7 @@ import numpy as np
 
 PARAM_NAMES = ("means", "scales", "quats", "opacities", "sh0", "shN")
 STAT_NAMES = ("grad2d", "count", "max_radii")
+MOMENT_PREFIXES = ("exp_avg_", "exp_avg_sq_")  # Adam's first and second moment of a parameter
 
 
 def num_sh_rest(sh_degree: int) -> int:
@@ -27,6 +28,11 @@ def param_shapes(sh_degree: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def moment_names() -> tuple[str, ...]:
+    """The Adam moment arrays, `exp_avg_<p>` and `exp_avg_sq_<p>` of every parameter p."""
+    return tuple(f"{prefix}{name}" for name in PARAM_NAMES for prefix in MOMENT_PREFIXES)
+
+
 def block_schema(sh_degree: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """name -> (trailing shape, dtype) of every array in a block."""
     schema: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -34,8 +40,8 @@ def block_schema(sh_degree: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     for name, shape in param_shapes(sh_degree).items():
         schema[name] = (shape, f32)
     for name, shape in param_shapes(sh_degree).items():
-        schema[f"exp_avg_{name}"] = (shape, f32)
-        schema[f"exp_avg_sq_{name}"] = (shape, f32)
+        for prefix in MOMENT_PREFIXES:
+            schema[f"{prefix}{name}"] = (shape, f32)
     schema["adam_step"] = ((), np.dtype(np.int32))  # per-row step count of sparse Adam
     schema["grad2d"] = ((), f32)  # sum of 2D mean gradient norms (densification)
     schema["count"] = ((), np.dtype(np.int32))  # steps the Gaussian was visible

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from storage import Store
+from tests.helpers.layout import check_layout
 from tools.tile.__main__ import main as tile_main
 
 pytestmark = pytest.mark.mpi
@@ -157,3 +158,45 @@ def _rank_pid(needle: str, rank: int) -> int:
         if needle.encode() in cmd and b"train" in cmd and f"PMI_RANK={rank}".encode() in env:
             return int(pid)
     raise AssertionError(f"no process of rank {rank} found")
+
+
+DENSIFY = ["--refine-start-iter", "10", "--refine-every", "10", "--reset-every", "30", "--rebalance-above", "1.0"]
+
+
+@pytest.mark.parametrize("tiled,cap,ranks", [(600, 600, (1, 2, 4)), (100, 2000, (1, 4))], ids=["split", "merge"])
+def test_densification_is_the_same_on_one_two_and_four_ranks(shared_data, tmp_path, tiled, cap, ranks):
+    """Refinements with Gaussians moving between blocks of different ranks, blocks splitting (or,
+    with a high cap over small blocks, siblings merging) and a rebalance after every refinement
+    (--rebalance-above 1): every rank count gives the same blocks, bit for bit. The run ends with
+    the refinement of step 40, after which every Gaussian lies in its block's cell."""
+    base = tmp_path / "lund.zarr"
+    assert tile_main([str(shared_data / "lund_door"), "--out", str(base), "--max-per-block", str(tiled)]) == 0
+    stores, logs = {}, {}
+    for n in ranks:
+        stores[n] = tmp_path / f"r{n}.zarr"
+        shutil.copytree(base, stores[n])
+        out = tmp_path / f"out{n}"
+        _train(n, shared_data, stores[n], out, *DENSIFY, "--max-per-block", str(cap), steps=41)
+        logs[n] = [json.loads(l) for p in sorted(out.glob("metrics*.jsonl")) for l in p.read_text().splitlines()
+                   if '"refine"' in l]
+    ref = Store.open(stores[1], mode="r")
+    for n in ranks[1:]:
+        other = Store.open(stores[n], mode="r")
+        assert other.state == ref.state and other.table.keys() == ref.table.keys()
+        for k in ref.table:
+            a, b = ref.read_block(k), other.read_block(k)
+            for name in a:
+                np.testing.assert_array_equal(b[name], a[name], err_msg=f"{n} ranks {k}/{name}")
+    total = sum(i.count for i in ref.table.values())
+    assert total == check_layout(ref, cap) > 1.5 * 11384
+    many = logs[ranks[-1]]
+    assert sum(r["bytes_sent"] for r in many) > 0  # Gaussians moved between ranks
+    assert sum(r["rebalanced_blocks"] for r in many) > 0  # the regions were recomputed and blocks changed owner
+    for step in {r["step"] for r in many}:  # ranks' shares add up to the single rank's refinement
+        mine = [r for r in many if r["step"] == step]
+        one = next(r for r in logs[1] if r["step"] == step)
+        for field in ("cloned", "split", "pruned", "dropped", "blocks_split", "blocks_merged"):
+            assert sum(r[field] for r in mine) == one[field], (step, field)
+        assert sum(r["migrated_out"] for r in mine) == sum(r["migrated_in"] for r in mine) == one["migrated_out"]
+    changed = "blocks_split" if tiled == cap else "blocks_merged"
+    assert sum(r[changed] for r in logs[1]) > 0

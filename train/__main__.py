@@ -9,7 +9,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from storage import StoreError
-from train.config import parse_config
+from train.config import ConfigError, parse_config
 from train.data import DatasetError
 from train.render.cpu.compiled import ensure_compiled
 from train.trainer import TrainError, run
@@ -26,7 +26,11 @@ def launched_ranks() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         ensure_compiled()  # every process then runs the cached kernels: same results in all of them
     except RuntimeError as e:

@@ -1,10 +1,16 @@
-"""The trainer's configuration: one dataclass, one command-line flag per field."""
+"""The trainer's configuration: dataclasses whose fields are the command-line flags, one each."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
+import inspect
+import math
+import typing
+from dataclasses import dataclass, field
+
+from train.densify.config import ConfigError, DensifyConfig
+
+__all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_config"]
 
 
 @dataclass
@@ -32,42 +38,79 @@ class TrainConfig:
     background: tuple[float, float, float] = (0.0, 0.0, 0.0)
     max_eval_images: int = 0  # evaluate at most this many held-out views (0: all)
     progress: bool = True  # show a progress bar on rank 0
+    densify: DensifyConfig = field(default_factory=DensifyConfig)
+
+    def __post_init__(self) -> None:
+        at_least = {"steps": 0, "batch_size": 1, "sh_degree_interval": 1, "data_factor": 1, "test_every": 1,
+                    "locality_window": 0, "eval_every": 0, "commit_every": 1, "log_every": 1, "keep_commits": 1,
+                    "stop_at": 0, "max_eval_images": 0}
+        for name, lo in at_least.items():
+            if getattr(self, name) < lo:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least {lo}")
+        if self.sh_degree is not None and self.sh_degree < 0:
+            raise ConfigError(f"--sh-degree {self.sh_degree}: must be at least 0")
+        if self.cache_mb is not None and not (math.isfinite(self.cache_mb) and self.cache_mb > 0):
+            raise ConfigError(f"--cache-mb {self.cache_mb}: must be a positive number")
+        if not all(math.isfinite(v) for v in self.background):
+            raise ConfigError(f"--background {self.background}: must be finite")
+        if isinstance(self.densify, dict):  # from a config.json
+            self.densify = DensifyConfig(**self.densify)
 
 
-def _field_help() -> dict[str, str]:
-    """Pull each field's trailing comment from this file, so flags and fields never drift apart."""
+def _field_help(cls: type) -> dict[str, str]:
+    """Each field's trailing comment in the class's source, so flags and fields never drift apart."""
     helps: dict[str, str] = {}
-    for line in Path(__file__).read_text().splitlines():
+    for line in inspect.getsource(cls).splitlines():
         line = line.strip()
         if ":" in line and "#" in line and not line.startswith("#"):
-            name = line.split(":", 1)[0].strip()
-            helps[name] = line.split("#", 1)[1].strip()
+            helps[line.split(":", 1)[0].strip()] = line.split("#", 1)[1].strip()
     return helps
+
+
+def _optional_type(hint: typing.Any) -> type | None:
+    """int for `int | None`, float for `float | None`; None for anything else."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(hint) else None
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls: type, group: str | None = None) -> None:
+    helps = _field_help(cls)
+    hints = typing.get_type_hints(cls)
+    target = parser.add_argument_group(group) if group else parser
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            _add_fields(parser, type(default), (inspect.getdoc(type(default)) or "").splitlines()[0] or None)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        h = helps.get(f.name, "")
+        if isinstance(default, bool):
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
+        elif isinstance(default, tuple):
+            target.add_argument(flag, type=float, nargs=len(default), default=default, metavar=("R", "G", "B"), help=h)
+        elif (optional := _optional_type(hints[f.name])) is not None:
+            target.add_argument(flag, type=optional, default=None, help=h)
+        elif f.name == "strategy":
+            target.add_argument(flag, default=default, help=h)  # validated with the others: one error style
+        else:
+            target.add_argument(flag, type=type(default), default=default, help=h,
+                                required=f.name in ("data", "store"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m train",
         description="Train a 3DGS scene store out of core (one process, or one MPI rank per GPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    helps = _field_help()
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        h = helps.get(f.name, "")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=h)
-        elif f.name == "background":
-            parser.add_argument(flag, type=float, nargs=3, default=default, metavar=("R", "G", "B"), help=h)
-        elif f.name in ("sh_degree", "cache_mb"):
-            parser.add_argument(flag, type=int if f.name == "sh_degree" else float, default=None, help=h)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=h, required=f.name in ("data", "store"))
+    _add_fields(parser, TrainConfig)
     return parser
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    ns = build_parser().parse_args(argv)
-    values = vars(ns)
+    """The flags as a TrainConfig; raises ConfigError for a value out of range."""
+    values = vars(build_parser().parse_args(argv))
+    names = {f.name for f in dataclasses.fields(DensifyConfig)}
+    densify = DensifyConfig(**{k: values.pop(k) for k in list(values) if k in names})
     values["background"] = tuple(values["background"])
-    return TrainConfig(**values)
+    return TrainConfig(**values, densify=densify)

@@ -34,6 +34,14 @@ class Exchange(Protocol):
     ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:  # (dest, camera) -> (grads [M, 9], contributed [M])
         ...
 
+    def send_rows(
+        self,
+        outgoing: dict[int, np.ndarray],  # dest rank -> [n, width] uint8 rows (a rank's own rows included)
+        width: int,
+    ) -> np.ndarray:  # [m, width] uint8: what every rank sent here, in source rank order
+        """Whole Gaussians (`storage.rows.pack_rows`) to the ranks that own their new blocks."""
+        ...
+
     def any(self, flag: bool) -> bool:
         """True on every rank if any rank passed True."""
         ...
@@ -46,6 +54,10 @@ class Exchange(Protocol):
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Small control data (commit tables) to rank 0; None elsewhere. Not for the hot path."""
+        ...
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Small control data from every rank, on every rank, in rank order. Not for the hot path."""
         ...
 
     def broadcast(self, obj: Any) -> Any: ...
@@ -71,6 +83,11 @@ class LocalExchange:
     ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
         return {}
 
+    def send_rows(self, outgoing: dict[int, np.ndarray], width: int) -> np.ndarray:
+        if set(outgoing) - {0}:
+            raise RuntimeError("a single rank has no other rank to send rows to")
+        return outgoing.get(0, np.zeros((0, width), np.uint8))
+
     def any(self, flag: bool) -> bool:
         return flag
 
@@ -81,6 +98,9 @@ class LocalExchange:
         return np.asarray(row)[None]
 
     def gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def allgather(self, obj: Any) -> list[Any]:
         return [obj]
 
     def broadcast(self, obj: Any) -> Any:

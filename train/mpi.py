@@ -102,6 +102,20 @@ class MPIExchange:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def send_rows(self, outgoing: dict[int, np.ndarray], width: int) -> np.ndarray:
+        counts = np.array([len(outgoing.get(r, ())) for r in range(self.size)], dtype=np.int64)
+        received = np.empty_like(counts)
+        self.comm.Alltoall(counts, received)
+        parts = [np.ascontiguousarray(outgoing[r], dtype=np.uint8).reshape(-1, width)
+                 for r in range(self.size) if counts[r]]
+        send = np.concatenate(parts) if parts else np.zeros((0, width), np.uint8)
+        recv = np.empty((int(received.sum()), width), np.uint8)
+        sc, rc = counts * width, received * width
+        self.comm.Alltoallv([send, (sc, _displacements(sc)), MPI.BYTE], [recv, (rc, _displacements(rc)), MPI.BYTE])
+        self.bytes_sent += int(send.nbytes - counts[self.rank] * width)
+        self.bytes_received += int(recv.nbytes - received[self.rank] * width)
+        return recv
+
     def any(self, flag: bool) -> bool:
         out = np.zeros(1, dtype=np.int32)
         self.comm.Allreduce(np.array([int(flag)], dtype=np.int32), out, op=MPI.MAX)
@@ -121,6 +135,9 @@ class MPIExchange:
 
     def gather(self, obj: Any) -> list[Any] | None:
         return self.comm.gather(obj, root=0)
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return self.comm.allgather(obj)
 
     def broadcast(self, obj: Any) -> Any:
         return self.comm.bcast(obj, root=0)

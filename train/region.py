@@ -1,6 +1,7 @@
 """The blocks one rank owns, with the boxes that culling needs, in Morton order."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from octree.cull import frustum_cull
 from octree.keys import parse_key
+from octree.partition import partition
 from train.camera import Camera
 
 
@@ -55,3 +57,39 @@ def ownership_weights(counts: np.ndarray, extents: np.ndarray, cameras: list[Cam
     for c in cameras:
         seen += frustum_cull(extents, c.viewmat, c.K, c.width, c.height)
     return weights * seen if seen.any() else weights
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which rank owns which part of the octree: R contiguous ranges of Morton order, cut at
+    `cuts` (the Morton rank, `BlockKey.morton_rank()`, where each region after the first
+    starts). A block belongs to the region its cell starts in, so a block made by a refinement
+    (a split's children, a merged parent, a new cell) has an owner before anyone has seen it."""
+
+    cuts: tuple[int, ...]  # [R - 1] non-decreasing
+
+    @property
+    def size(self) -> int:
+        return len(self.cuts) + 1
+
+    @classmethod
+    def balanced(cls, table: dict, size: int, cameras: list[Camera]) -> "Ownership":
+        """Regions of balanced `ownership_weights` over the training `cameras` (by count without)."""
+        everything = Region.from_table(table)
+        bounds = partition(ownership_weights(everything.counts, everything.extents, cameras), size)
+        starts = [parse_key(k).morton_rank() for k in everything.keys]
+        end = 1 << 63  # past every cell: a region with no block starts there
+        return cls(tuple(starts[b] if b < len(starts) else end for b in bounds[1:-1]))
+
+    def owner(self, key: str) -> int:
+        return bisect.bisect_right(self.cuts, parse_key(key).morton_rank())
+
+    def keys_of(self, table: dict, rank: int) -> list[str]:
+        return [k for k in table if self.owner(k) == rank]
+
+    def weights(self, table: dict, cameras: list[Camera]) -> np.ndarray:  # [R]
+        """Each region's `ownership_weights`."""
+        everything = Region.from_table(table)
+        w = ownership_weights(everything.counts, everything.extents, cameras)
+        owners = np.array([self.owner(k) for k in everything.keys], dtype=np.int64)
+        return np.bincount(owners, weights=w, minlength=self.size)

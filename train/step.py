@@ -1,10 +1,13 @@
-"""One training step, structured as in docs/architecture.md §6.
+"""One training step, structured as in docs/architecture.md §6, as a chain of typed phases.
 
-Owners project the Gaussians of their visible blocks into every camera of the step; splats for
-cameras rendered elsewhere travel through the `Exchange`; each camera's rank rasterizes the union
-(local splats first in owner-rank order, so the image equals a single process's), computes the
-loss and backpropagates; gradients of travelled splats return to their owners, who backpropagate
-through their projections. Owners then step sparse Adam on the rows that contributed to a pixel.
+`page_in` pins and loads the blocks the step's cameras see; `project_owned_batch` has owners
+project their Gaussians into every camera that sees them; `route_splats` sends the splats of
+cameras rendered elsewhere through the `Exchange`; `rasterize_and_loss` has each camera's rank
+rasterize the union (local splats first in owner-rank order, so the image equals a single
+process's), compute the loss and backpropagate; `backprop_owned` returns the travelled splats'
+gradients to their owners, who backpropagate through their projections; `adam_update` steps
+sparse Adam on the rows that contributed to a pixel and adds the densification statistics.
+`train_step` composes them; each phase's wall and CPU seconds go to `StepStats`.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from torch import Tensor
 from octree.boxes import extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
-from train.exchange import Exchange
+from train.exchange import Exchange, Incoming
 from train.losses import photometric_loss, psnr
 from train.optim import AdamConfig, SparseAdam, numpy_arrays
 from train.region import Region
@@ -109,7 +112,7 @@ def project_owned(
 
 
 def _parts_for_camera(
-    i: int, rank: int, kept: dict[int, Splats2D], incoming: dict[int, list[tuple[int, Splats2D]]]
+    i: int, rank: int, kept: dict[int, Splats2D], incoming: Incoming
 ) -> tuple[list[tuple[int, Splats2D]], Splats2D]:
     """Camera i's splats as (source rank, splats) in rank order, and their union: owner order is
     Morton order, so the union is the batch a single process would rasterize."""
@@ -136,6 +139,168 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
     return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}
 
 
+# ---- the phases ----
+
+@dataclass
+class Paged:
+    """The step's owned blocks, pinned in the cache (`page_in`'s caller unpins `keys`)."""
+
+    keys: list[str]  # Morton order
+    visible: list[list[str]]  # per camera of the step: the owned blocks it sees
+    cached: dict  # key -> storage.cache.Block
+    tensors: dict[str, dict[str, Tensor]]  # key -> every array of the block
+
+
+@dataclass
+class Projected:
+    """An owner's batch and its projection into the step's cameras."""
+
+    gathered: Gathered
+    projection: ProjectedBatch
+    owned: dict[int, Splats2D]  # camera index -> this rank's splats for it (ids: batch rows)
+
+
+@dataclass
+class Routed:
+    """Splats where their camera is rendered: received from other owners, and kept."""
+
+    incoming: Incoming  # camera index -> [(source rank, leaf splats)]
+    kept: dict[int, Splats2D]  # this rank's splats for the cameras it renders, as leaves
+
+
+@dataclass
+class Rendered:
+    """This rank's cameras rasterized, their losses backpropagated to the splat leaves."""
+
+    losses: list[Tensor]  # [] per rendered camera
+    psnrs: list[float]
+    flags_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M] contributed
+
+
+@dataclass
+class Backprop:
+    """Each owned camera's splat gradients and contributed flags, and the batch rows to step."""
+
+    back: dict[int, tuple[Tensor, Tensor]]  # camera index -> (grads [M, 9], contributed [M])
+    contributed: Tensor  # [N] bool over the batch
+
+
+def page_in(cameras: list[Camera], region: Region, cache) -> Paged:
+    """Pin and load every owned block a camera of the step sees (blocks stay pinned)."""
+    visible = [region.visible(c) for c in cameras]
+    keys = region.union(visible)
+    cache.pin(keys)  # all or nothing
+    cached = {k: cache.get(k) for k in keys}
+    return Paged(keys, visible, cached, {k: b.tensors for k, b in cached.items()})
+
+
+def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, backend: str) -> Projected:
+    g = gather(paged.tensors, paged.keys, requires_grad=True)
+    projection = project_owned(g, paged.visible, cameras, sh_degree, backend)
+    return Projected(g, projection, projection.splats)
+
+
+def route_splats(projected: Projected, cam_rank: list[int], exchange: Exchange, n_cams: int) -> Routed:
+    rank = exchange.rank
+    outgoing = {(cam_rank[i], i): s for i, s in projected.owned.items() if cam_rank[i] != rank}
+    incoming = exchange.send_splats(outgoing, n_cams)
+    # Own splats cross the same boundary as received ones (leaves whose gradients are handed
+    # back), so each owner backpropagates its projections in camera order, whoever rendered
+    # them: gradient sums, hence parameters, come out the same for any number of ranks.
+    kept = {i: Splats2D.unpack(s.pack(), ids=s.ids) for i, s in projected.owned.items() if cam_rank[i] == rank}
+    return Routed(incoming, kept)
+
+
+def rasterize_and_loss(
+    routed: Routed,
+    cameras: list[Camera],
+    cam_rank: list[int],
+    images: dict[int, Tensor],  # camera index -> ground truth [H, W, 3]
+    rank: int,
+    background: Tensor,  # [3]
+    backend: str,
+    stats: StepStats,
+) -> Rendered:
+    n_cams = len(cameras)
+    out = Rendered([], [], {})
+    for i in (i for i in range(n_cams) if cam_rank[i] == rank):
+        parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
+        raster = rasterize(s, cameras[i], background, backend=backend)
+        loss = photometric_loss(raster.rgb, images[i])
+        if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
+            (loss / n_cams).backward()
+        out.losses.append(loss.detach())
+        out.psnrs.append(psnr(raster.rgb, images[i]))
+        for (src, part), flags in zip(parts, _split_by_parts(raster.contributed, parts)):
+            out.flags_of[(src, i)] = flags
+        stats.local += sum(len(p) for src, p in parts if src == rank)
+        stats.received += sum(len(p) for src, p in parts if src != rank)
+    return out
+
+
+def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange) -> dict[int, tuple[Tensor, Tensor]]:
+    """Gradients and contributed flags of every camera's splats of this owner, remote ones
+    returned through the exchange."""
+    rank = exchange.rank
+    remote_flags = {key: f for key, f in rendered.flags_of.items() if key[0] != rank}
+    back = {i: v for (_, i), v in exchange.return_grads(routed.incoming, remote_flags).items()}
+    back.update({i: (pack_grads(leaf), rendered.flags_of[(rank, i)]) for i, leaf in routed.kept.items()})
+    return back
+
+
+def backprop_owned(projected: Projected, back: dict[int, tuple[Tensor, Tensor]]) -> Backprop:
+    projected.projection.backward({i: grads for i, (grads, _) in back.items()})
+    g = projected.gathered
+    contributed = torch.zeros(g.offsets[-1], dtype=torch.bool, device=g.params["means"].device)
+    for i, (_, flags) in back.items():
+        contributed[projected.owned[i].ids[flags]] = True
+    return Backprop(back, contributed)
+
+
+def all_stepped_finite(projected: Projected, rendered: Rendered, bp: Backprop) -> bool:
+    finite = all(all_finite(l) for l in rendered.losses)
+    for p in projected.gathered.params.values():
+        # Only stepped rows matter; the masked check runs only when something is not finite.
+        if p.grad is not None and not all_finite(p.grad) and not all_finite(p.grad[bp.contributed]):
+            finite = False
+    return finite
+
+
+def adam_update(
+    paged: Paged,
+    projected: Projected,
+    bp: Backprop,
+    cameras: list[Camera],
+    cache,
+    lrs: dict[str, float],
+    adam: AdamConfig,
+    stats: StepStats,
+) -> None:
+    """Sparse Adam on the contributing rows of each block, then the densification statistics
+    (summed in camera order: the sums must not depend on who rendered what)."""
+    g, owned, n_cams = projected.gathered, projected.owned, len(cameras)
+    acc = empty_stats(g.offsets[-1])
+    for i in sorted(bp.back):
+        accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i][0], bp.contributed, cameras[i], n_cams)
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
+    optimizer = SparseAdam(grads, bp.contributed, lrs, adam)
+    stepped = []
+    for b, k in enumerate(paged.keys):
+        lo, hi = g.offsets[b], g.offsets[b + 1]
+        t = paged.tensors[k]
+        rows = optimizer.step(t, lo, paged.cached[k].arrays(numpy_arrays))
+        if rows == 0:
+            continue
+        t["grad2d"] += torch.from_numpy(acc["grad2d"][lo:hi]).to(t["grad2d"].device)
+        t["count"] += torch.from_numpy(acc["count"][lo:hi]).to(t["count"].device)
+        torch.maximum(t["max_radii"], torch.from_numpy(acc["max_radii"][lo:hi]).to(t["max_radii"].device),
+                      out=t["max_radii"])
+        cache.mark_dirty(k)
+        stepped.append(k)
+        stats.contributed += rows
+    stats.extents = _extents({k: paged.tensors[k] for k in stepped})
+
+
 def train_step(
     cameras: list[Camera],  # the step's global batch; every rank knows all of them
     cam_rank: list[int],  # rank that renders each camera
@@ -151,98 +316,36 @@ def train_step(
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
-    rank, n_cams = exchange.rank, len(cameras)
-    visible = [region.visible(c) for c in cameras]
-    keys = region.union(visible)
-    stats.blocks = len(keys)
-    cache.pin(keys)
+    paged = page_in(cameras, region, cache)
     try:
-        cached = {k: cache.get(k) for k in keys}
-        blocks = {k: b.tensors for k, b in cached.items()}
+        stats.blocks = len(paged.keys)
         clock.mark("io")
-        g = gather(blocks, keys, requires_grad=True)
-        projection = project_owned(g, visible, cameras, sh_degree, backend)
-        owned = projection.splats
-        stats.projected = sum(len(s) for s in owned.values())
+        projected = project_owned_batch(paged, cameras, sh_degree, backend)
+        stats.projected = sum(len(s) for s in projected.owned.values())
         clock.mark("project")
-
-        outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
-        incoming = exchange.send_splats(outgoing, n_cams)
+        routed = route_splats(projected, cam_rank, exchange, len(cameras))
         clock.mark("exchange")
-        # Own splats cross the same boundary as received ones (leaves whose gradients are handed
-        # back), so each owner backpropagates its projections in camera order, whoever rendered
-        # them: gradient sums, hence parameters, come out the same for any number of ranks.
-        kept = {i: Splats2D.unpack(s.pack(), ids=s.ids) for i, s in owned.items() if cam_rank[i] == rank}
-
-        n = g.offsets[-1]
-        contributed = torch.zeros(n, dtype=torch.bool, device=g.params["means"].device)
-        flags_of: dict[tuple[int, int], Tensor] = {}  # (source rank, camera) -> [M] contributed
-        losses, psnrs = [], []
-        for i in (i for i in range(n_cams) if cam_rank[i] == rank):
-            parts, s = _parts_for_camera(i, rank, kept, incoming)
-            out = rasterize(s, cameras[i], background, backend=backend)
-            loss = photometric_loss(out.rgb, images[i])
-            if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
-                (loss / n_cams).backward()
-            losses.append(loss.detach())
-            psnrs.append(psnr(out.rgb, images[i]))
-            for (src, part), flags in zip(parts, _split_by_parts(out.contributed, parts)):
-                flags_of[(src, i)] = flags
-            stats.local += sum(len(p) for src, p in parts if src == rank)
-            stats.received += sum(len(p) for src, p in parts if src != rank)
-
+        rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats)
         clock.mark("render")
-        remote_flags = {key: f for key, f in flags_of.items() if key[0] != rank}
-        back = {i: v for (_, i), v in exchange.return_grads(incoming, remote_flags).items()}
+        back = return_grads(routed, rendered, exchange)
         clock.mark("exchange")
-        back.update({i: (pack_grads(leaf), flags_of[(rank, i)]) for i, leaf in kept.items()})
-        projection.backward({i: grads for i, (grads, _) in back.items()})
-        for i, (_, flags) in back.items():
-            contributed[owned[i].ids[flags]] = True
+        bp = backprop_owned(projected, back)
         clock.mark("backprop")
-
-        finite = all(all_finite(l) for l in losses)
-        for p in g.params.values():
-            # Only stepped rows matter; the masked check runs only when something is not finite.
-            if p.grad is not None and not all_finite(p.grad) and not all_finite(p.grad[contributed]):
-                finite = False
+        finite = all_stepped_finite(projected, rendered, bp)
         clock.mark("adam")
         skip = exchange.any(not finite)
         clock.mark("exchange")
         if skip:
             stats.skipped = True
             return stats
-
-        acc = empty_stats(n)
-        for i in sorted(back):  # camera order: the sums must not depend on who rendered what
-            accumulate_stats(acc, owned[i].ids, owned[i].radii, back[i][0], contributed, cameras[i], n_cams)
-
-        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
-        optimizer = SparseAdam(grads, contributed, lrs, adam)
-        stepped = []
-        for b, k in enumerate(keys):
-            lo, hi = g.offsets[b], g.offsets[b + 1]
-            t = blocks[k]
-            rows = optimizer.step(t, lo, cached[k].arrays(numpy_arrays))
-            if rows == 0:
-                continue
-            t["grad2d"] += torch.from_numpy(acc["grad2d"][lo:hi]).to(t["grad2d"].device)
-            t["count"] += torch.from_numpy(acc["count"][lo:hi]).to(t["count"].device)
-            torch.maximum(t["max_radii"], torch.from_numpy(acc["max_radii"][lo:hi]).to(t["max_radii"].device),
-                          out=t["max_radii"])
-            cache.mark_dirty(k)
-            stepped.append(k)
-            stats.contributed += rows
-        stats.extents = _extents({k: blocks[k] for k in stepped})
-        if losses:
-            stats.loss = float(torch.stack(losses).mean())
-            stats.psnr = float(sum(psnrs) / len(psnrs))
+        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats)
+        if rendered.losses:
+            stats.loss = float(torch.stack(rendered.losses).mean())
+            stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))
         clock.mark("adam")
         return stats
     finally:
-        cache.unpin(keys)
-
-
+        cache.unpin(paged.keys)
 @torch.no_grad()
 def render_cameras(
     cameras: list[Camera],

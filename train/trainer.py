@@ -14,6 +14,7 @@ import torch
 
 from storage import CacheBudgetError, Store
 from storage.cache import BlockCache
+from storage.schema import bytes_per_gaussian
 from train.camera import Camera
 from train.config import TrainConfig
 from train.data import DataConfig, load_scene
@@ -21,10 +22,10 @@ from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, write_config
 from train.optim import AdamConfig, learning_rates
-from train.region import Region, ownership_weights
+from train.region import Ownership, Region
 from train.schedule import Schedule
 from train.assign import assign_cameras
-from octree.partition import partition
+from train.densify import Densifier
 from train.step import COMPUTE_PHASES, StepStats, train_step
 
 
@@ -99,10 +100,7 @@ def check_overlap(region: Region, scene: Scene, store: Store, cfg: TrainConfig) 
 def owned_blocks(table: dict, rank: int, size: int, cameras: list[Camera] | None = None) -> list[str]:
     """Rank `rank`'s contiguous share of the Morton-ordered blocks, balanced by `ownership_weights`
     over the training `cameras` (by Gaussian count without cameras)."""
-    everything = Region.from_table(table)
-    weights = ownership_weights(everything.counts, everything.extents, cameras or [])
-    bounds = partition(weights, size)
-    return everything.keys[bounds[rank] : bounds[rank + 1]]
+    return Region.from_table(table, Ownership.balanced(table, size, cameras or []).keys_of(table, rank)).keys
 
 
 def assign_step(cams: list[Camera], region: Region, exchange: Exchange, per_rank: int) -> list[int]:
@@ -134,164 +132,251 @@ class _StopFlag:
         signal.signal(signal.SIGINT, self._previous)
 
 
-def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
-    """Train; returns the summary dict that is also printed and written as summary.json."""
-    exchange = exchange or LocalExchange()
-    rank, size = exchange.rank, exchange.size
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    backend = "cuda" if device.type == "cuda" else "cpu"
-    out = Path(cfg.out)
+class Trainer:
+    """The training loop of one rank as phases: `plan` a step (assign its cameras, start loading
+    its images and blocks), `train` it, `refine` (the densification hook: grow, prune, move,
+    split and merge blocks, then commit and rebalance), `commit`, `evaluate`. `run` drives them."""
 
-    store = Store.open(cfg.store, mode="r+", keep_commits=cfg.keep_commits, gc=(rank == 0))
-    if store.head is None:
-        raise TrainError(f"store {cfg.store} has no commit yet: tile it with `python -m tools.tile`")
-    max_degree = int(store.attrs["sh_degree"])
-    sh_degree = max_degree if cfg.sh_degree is None else cfg.sh_degree
-    if not 0 <= sh_degree <= max_degree:
-        raise TrainError(f"--sh-degree {sh_degree}: the store holds SH up to degree {max_degree}")
-    start = int(store.state.get("step", 0))
-    if start > 0 and not cfg.resume:
-        raise TrainError(f"store {cfg.store} was trained to step {start}: pass --resume to continue it")
-    if start >= cfg.steps and cfg.resume:
-        raise TrainError(f"store {cfg.store} is already at step {start} >= --steps {cfg.steps}")
-    # Learning rates decay over --steps, so a slice must know the whole run's length.
-    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
-    if cfg.stop_at > 0 and end <= start:
-        raise TrainError(f"--stop-at {cfg.stop_at}: the store is already at step {start}")
-    planned = int(store.state.get("steps", cfg.steps))
-    if start > 0 and planned != cfg.steps:
-        print(f"warning: {cfg.store} was trained as part of a {planned}-step run; continuing it as a "
-              f"{cfg.steps}-step run changes the learning-rate schedule", flush=True)
+    def __init__(self, cfg: TrainConfig, exchange: Exchange | None = None) -> None:
+        self.cfg = cfg
+        self.exchange = exchange = exchange or LocalExchange()
+        self.rank, self.size = exchange.rank, exchange.size
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.backend = "cuda" if self.device.type == "cuda" else "cpu"
+        self.out = Path(cfg.out)
+        self.store = store = Store.open(cfg.store, mode="r+", keep_commits=cfg.keep_commits, gc=(self.rank == 0))
+        if store.head is None:
+            raise TrainError(f"store {cfg.store} has no commit yet: tile it with `python -m tools.tile`")
+        max_degree = int(store.attrs["sh_degree"])
+        self.sh_degree = max_degree if cfg.sh_degree is None else cfg.sh_degree
+        if not 0 <= self.sh_degree <= max_degree:
+            raise TrainError(f"--sh-degree {self.sh_degree}: the store holds SH up to degree {max_degree}")
+        self.start = start = int(store.state.get("step", 0))
+        if start > 0 and not cfg.resume:
+            raise TrainError(f"store {cfg.store} was trained to step {start}: pass --resume to continue it")
+        if start >= cfg.steps and cfg.resume:
+            raise TrainError(f"store {cfg.store} is already at step {start} >= --steps {cfg.steps}")
+        # Learning rates decay over --steps, so a slice must know the whole run's length.
+        self.end = min(cfg.steps, cfg.stop_at) if cfg.stop_at > 0 else cfg.steps
+        if cfg.stop_at > 0 and self.end <= start:
+            raise TrainError(f"--stop-at {cfg.stop_at}: the store is already at step {start}")
+        planned = int(store.state.get("steps", cfg.steps))
+        if start > 0 and planned != cfg.steps:
+            print(f"warning: {cfg.store} was trained as part of a {planned}-step run; continuing it as a "
+                  f"{cfg.steps}-step run changes the learning-rate schedule", flush=True)
+        check_strategy(cfg, store)
 
-    scene = load_cameras(cfg, store)
-    region = Region.from_table(store.table, owned_blocks(store.table, rank, size, scene.train))
-    check_overlap(Region.from_table(store.table), scene, store, cfg)
-    budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
-    cache = BlockCache(store, budget, device)
-    background = torch.tensor(cfg.background, dtype=torch.float32, device=device)
-    adam = AdamConfig().for_batch(cfg.batch_size * size)
-    global_batch = cfg.batch_size * size
-    log = RunLog(out, rank, size)
-    if rank == 0:
-        write_config(out, cfg, {"ranks": size, "device": str(device), "scene_scale": scene.scene_scale,
-                                "train_images": len(scene.train), "test_images": len(scene.test)})
+        self.scene = scene = load_cameras(cfg, store)
+        self.ownership = Ownership.balanced(store.table, self.size, scene.train)
+        self.region = Region.from_table(store.table, self.ownership.keys_of(store.table, self.rank))
+        check_overlap(Region.from_table(store.table), scene, store, cfg)
+        self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
+        self.cache = BlockCache(store, self.budget, self.device)
+        self.background = torch.tensor(cfg.background, dtype=torch.float32, device=self.device)
+        self.adam = AdamConfig().for_batch(cfg.batch_size * self.size)
+        self.log = RunLog(self.out, self.rank, self.size)
+        self.densifier = Densifier(cfg.densify, store, self.cache, exchange, scene.scene_scale, cfg.seed,
+                                   set(store.state.get("refine_pending", [])))
+        if self.rank == 0:
+            write_config(self.out, cfg, {"ranks": self.size, "device": str(self.device),
+                                         "scene_scale": scene.scene_scale, "train_images": len(scene.train),
+                                         "test_images": len(scene.test)})
+        self.schedule = Schedule(cfg.seed, len(scene.train), cfg.batch_size * self.size,
+                                 look_features(scene.train, scene.scene_scale), cfg.locality_window)
+        self.plans: dict[int, list[int]] = {}  # step -> rank of each camera, planned one step ahead
+        self.images = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+        self.pending: dict[int, dict[int, Future]] = {}  # step -> camera index -> its photo, loading
+        self.bar = progress_bar(cfg.steps, start, enabled=cfg.progress and self.rank == 0)
+        self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
 
-    schedule = Schedule(cfg.seed, len(scene.train), global_batch, look_features(scene.train, scene.scene_scale),
-                        cfg.locality_window)
+    # ---- phases ----
 
-    def cameras_of(step: int) -> list[Camera]:
-        return [scene.train[i] for i in schedule.cameras(step)]
+    def cameras_of(self, step: int) -> list[Camera]:
+        return [self.scene.train[i] for i in self.schedule.cameras(step)]
 
-    plans: dict[int, list[int]] = {}  # step -> rank of each camera, planned one step ahead
-    images = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
-    pending: dict[int, dict[int, Future]] = {}
-
-    def plan(step: int) -> None:
+    def plan(self, step: int) -> None:
         """Assign step's cameras (a collective: every rank plans the same steps in the same order),
         then start loading this rank's images and blocks for it."""
-        cams = cameras_of(step)
-        plans[step] = assign_step(cams, region, exchange, cfg.batch_size)
-        pending[step] = {i: images.submit(scene.data.load_image, cams[i])
-                         for i, r in enumerate(plans[step]) if r == rank}
-        cache.prefetch(region.union(region.visible(c) for c in cams))
-        if step + 1 < end:  # and, where the budget allows, the step after: a move starts paging early
-            cache.prefetch(region.union(region.visible(c) for c in cameras_of(step + 1)))
+        cams, region = self.cameras_of(step), self.region
+        self.plans[step] = assign_step(cams, region, self.exchange, self.cfg.batch_size)
+        self.pending[step] = {i: self.images.submit(self.scene.data.load_image, cams[i])
+                              for i, r in enumerate(self.plans[step]) if r == self.rank}
+        self.cache.prefetch(region.union(region.visible(c) for c in cams))
+        if step + 1 < self.end and not self.densifier.due(step):
+            # and, where the budget allows, the step after: a move starts paging early
+            self.cache.prefetch(region.union(region.visible(c) for c in self.cameras_of(step + 1)))
 
-    def evaluate_now(step: int) -> dict:
-        return evaluate(scene.test, scene.data.load_image, step, region, cache, exchange, sh_degree, background,
-                        backend, out, log, cfg.max_eval_images)
+    def train(self, step: int) -> tuple[StepStats, float]:
+        """One step (planned already); plans the next one unless a refinement comes between."""
+        cams, cam_rank = self.cameras_of(step), self.plans.pop(step)
+        gt = {i: f.result().to(self.device) for i, f in self.pending.pop(step).items()}
+        t0 = time.time()
+        # This step's blocks are pinned first, so the next step's prefetch evicts others.
+        needed = self.region.union(self.region.visible(c) for c in cams)
+        self.cache.pin(needed)
+        try:
+            if step + 1 < self.end and not self.densifier.due(step):
+                self.plan(step + 1)
+            lrs = learning_rates(self.adam, step, self.cfg.steps, self.scene.scene_scale)
+            degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
+            stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
+                               self.background, self.backend)
+        finally:
+            self.cache.unpin(needed)
+        self.region.update_extents(stats.extents)
+        self.densifier.observe(list(stats.extents), step)
+        return stats, time.time() - t0
 
-    bar = progress_bar(cfg.steps, start, enabled=cfg.progress and rank == 0)
-    t_start, step, last = time.time(), start, StepStats()
-    sent0, received0 = exchange.bytes_sent, exchange.bytes_received
-    try:
-        with _StopFlag() as stop:
-            if step < end:
-                plan(step)
-            while step < end and not exchange.any(stop.set):
-                cams, cam_rank = cameras_of(step), plans.pop(step)
-                gt = {i: f.result().to(device) for i, f in pending.pop(step).items()}
-                t0 = time.time()
-                # This step's blocks are pinned first, so the next step's prefetch evicts others.
-                needed = region.union(region.visible(c) for c in cams)
-                cache.pin(needed)
-                try:
-                    if step + 1 < end:
-                        plan(step + 1)
-                    lrs = learning_rates(adam, step, cfg.steps, scene.scene_scale)
-                    degree = min(step // cfg.sh_degree_interval, sh_degree)
-                    last = train_step(cams, cam_rank, gt, region, cache, exchange, degree, lrs, adam, background, backend)
-                finally:
-                    cache.unpin(needed)
-                seconds = time.time() - t0
-                region.update_extents(last.extents)
-                step += 1
-                imbalance, imbalance_seconds = _imbalance(exchange, last, seconds)
-                if last.skipped:
-                    log.write("skipped", step, reason="non-finite loss or gradient")
-                    bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
-                if step % cfg.log_every == 0 or step == end:
-                    log.write("train", step, loss=last.loss, psnr=last.psnr, owned=int(region.counts.sum()),
-                              blocks=last.blocks, projected=last.projected, local=last.local, received=last.received,
-                              contributed=last.contributed, seconds=seconds, imbalance=imbalance,
-                              imbalance_seconds=imbalance_seconds,
-                              **{f"t_{phase}": round(t, 5) for phase, t in last.timings.items()},
-                              **{f"cpu_{phase}": round(t, 5) for phase, t in last.cpu.items()},
-                              bytes_sent=exchange.bytes_sent - sent0, bytes_received=exchange.bytes_received - received0,
-                              **_cache_fields(cache))
-                    sent0, received0 = exchange.bytes_sent, exchange.bytes_received
-                bar.update(1)
-                bar.set_postfix(loss=f"{last.loss:.4f}", psnr=f"{last.psnr:.2f}", gs=_num_gaussians(store),
-                                hit=f"{cache.stats.hit_rate:.2f}", io=f"{cache.stats.io_wait_s:.1f}s",
-                                **({"imb": f"{imbalance:.2f}"} if size > 1 else {}))
-                if step % cfg.commit_every == 0 and step < end:
-                    _commit(store, cache, exchange, step, cfg)
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < end:
-                    evaluate_now(step)
-            _commit(store, cache, exchange, step, cfg)
-        metrics = evaluate_now(step)
-    except CacheBudgetError as e:
-        raise TrainError(f"--cache-mb {budget / 2**20:.2f} is too small for one step: {e}") from e
-    finally:
-        bar.close()
-        images.shutdown(wait=False, cancel_futures=True)
-        cache.close()
-        log.close()
-    elapsed = time.time() - t_start
-    summary = {
-        "steps": step,
-        "interrupted": step < cfg.steps,
-        "seconds": round(elapsed, 2),
-        "seconds_per_step": round(elapsed / max(1, step - start), 4),
-        "gaussians": _num_gaussians(store),
-        "test_psnr": metrics.get("psnr"),
-        "test_ssim": metrics.get("ssim"),
-        **_cache_fields(cache),
-        "store": str(cfg.store),
-        "out": str(out),
-    }
-    if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        metrics_file = out / "metrics.jsonl"
-        if metrics_file.exists():
-            plot_metrics(metrics_file, out / "metrics.png")
-    return summary
+    def refine(self, step: int) -> None:
+        """The densification hook after step: the strategy's refinement or opacity reset; a
+        refinement lands in a commit, then the regions are rebalanced if need be."""
+        try:
+            report = self.densifier.run(step, self.ownership, self.rank)
+        except CacheBudgetError as e:
+            raise TrainError(f"--cache-mb {self.budget / 2**20:.2f} is too small to refine at step {step}: {e} "
+                             f"(the store keeps its last commit, step {self.store.state.get('step', 0)})") from e
+        if report is not None:
+            self.commit(step + 1)
+            moves = self.rebalance()
+            self.log.write("refine", step + 1, gaussians=_num_gaussians(self.store), owned=int(self.region.counts.sum()),
+                           blocks=len(self.store.table), **report.fields(), **moves)
+        if step + 1 < self.end:
+            self.plan(step + 1)
+
+    def rebalance(self) -> dict:
+        """New regions when the heaviest rank's work is more than `rebalance_above` times the mean.
+        Blocks that change owner move through the store: they are all committed and clean now,
+        the old owner lets go of them and the new one pages them in when a step needs them."""
+        t0 = time.perf_counter()
+        table, cams, threshold = self.store.table, self.scene.train, self.cfg.densify.rebalance_above
+        weights = self.ownership.weights(table, cams)
+        imbalance = float(weights.max() / max(weights.mean(), 1e-12))
+        moved: list[str] = []
+        if self.size > 1 and imbalance > threshold:
+            new = Ownership.balanced(table, self.size, cams)
+            moved = [k for k in table if new.owner(k) != self.ownership.owner(k)]
+            self.cache.release([k for k in moved if self.ownership.owner(k) == self.rank])
+            self.ownership = new
+        self.region = Region.from_table(table, self.ownership.keys_of(table, self.rank))
+        after = self.ownership.weights(table, cams)
+        return {"imbalance_before": round(imbalance, 4),
+                "imbalance_after": round(float(after.max() / max(after.mean(), 1e-12)), 4),
+                "rebalanced_blocks": len(moved),
+                "rebalanced_bytes": sum(table[k].count for k in moved) * bytes_per_gaussian(self.store.sh_degree),
+                "rebalance_seconds": round(time.perf_counter() - t0, 4)}
+
+    def commit(self, step: int) -> None:
+        """Every rank writes its dirty blocks; rank 0 alone writes the commit, once all have written."""
+        parts = self.exchange.gather((self.cache.flush(), sorted(self.densifier.pending)))
+        if self.rank == 0:
+            updated = {k: v for (u, _), _ in parts for k, v in u.items()}
+            removed = [k for (_, r), _ in parts for k in r]
+            pending = sorted({k for _, p in parts for k in p})
+            cfg = self.cfg
+            state = {"step": step, "steps": cfg.steps, "seed": cfg.seed, "global_batch": cfg.batch_size * self.size,
+                     "refine_pending": pending}
+            self.store.commit(updated, removed, state=state)
+        self.exchange.barrier()
+        if self.rank != 0:
+            self.store.refresh()
+
+    def evaluate(self, step: int) -> dict:
+        return evaluate(self.scene.test, self.scene.data.load_image, step, self.region, self.cache, self.exchange,
+                        self.sh_degree, self.background, self.backend, self.out, self.log, self.cfg.max_eval_images)
+
+    # ---- the loop ----
+
+    def run(self) -> dict:
+        """Train; returns the summary dict that is also printed and written as summary.json."""
+        cfg, exchange = self.cfg, self.exchange
+        t_start, step = time.time(), self.start
+        try:
+            with _StopFlag() as stop:
+                if step < self.end:
+                    self.plan(step)
+                while step < self.end and not exchange.any(stop.set):
+                    stats, seconds = self.train(step)
+                    if self.densifier.due(step):
+                        self.refine(step)
+                    step += 1
+                    self._log_step(step, stats, seconds)
+                    if step % cfg.commit_every == 0 and step < self.end and self.store.state.get("step") != step:
+                        self.commit(step)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < self.end:
+                        self.evaluate(step)
+                if self.store.state.get("step") != step:
+                    self.commit(step)
+            metrics = self.evaluate(step)
+        except CacheBudgetError as e:
+            raise TrainError(f"--cache-mb {self.budget / 2**20:.2f} is too small for one step: {e}") from e
+        finally:
+            self.close()
+        return self._summary(step, time.time() - t_start, metrics)
+
+    def _log_step(self, step: int, stats: StepStats, seconds: float) -> None:
+        cfg, exchange, cache = self.cfg, self.exchange, self.cache
+        imbalance, imbalance_seconds = _imbalance(exchange, stats, seconds)
+        gaussians = _num_gaussians(self.store)
+        if stats.skipped:
+            self.log.write("skipped", step, reason="non-finite loss or gradient")
+            self.bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
+        if step % cfg.log_every == 0 or step == self.end:
+            self.log.write("train", step, loss=stats.loss, psnr=stats.psnr, gaussians=gaussians,
+                           owned=int(self.region.counts.sum()), blocks=stats.blocks, projected=stats.projected,
+                           local=stats.local, received=stats.received, contributed=stats.contributed,
+                           seconds=seconds, imbalance=imbalance, imbalance_seconds=imbalance_seconds,
+                           **{f"t_{phase}": round(t, 5) for phase, t in stats.timings.items()},
+                           **{f"cpu_{phase}": round(t, 5) for phase, t in stats.cpu.items()},
+                           bytes_sent=exchange.bytes_sent - self._sent0,
+                           bytes_received=exchange.bytes_received - self._received0, **_cache_fields(cache))
+            self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats.loss:.4f}", psnr=f"{stats.psnr:.2f}", gs=str(gaussians),
+                             hit=f"{cache.stats.hit_rate:.2f}", io=f"{cache.stats.io_wait_s:.1f}s",
+                             **({"imb": f"{imbalance:.2f}"} if self.size > 1 else {}))
+
+    def _summary(self, step: int, elapsed: float, metrics: dict) -> dict:
+        summary = {
+            "steps": step,
+            "interrupted": step < self.cfg.steps,
+            "seconds": round(elapsed, 2),
+            "seconds_per_step": round(elapsed / max(1, step - self.start), 4),
+            "gaussians": _num_gaussians(self.store),
+            "test_psnr": metrics.get("psnr"),
+            "test_ssim": metrics.get("ssim"),
+            **_cache_fields(self.cache),
+            "store": str(self.cfg.store),
+            "out": str(self.out),
+        }
+        if self.rank == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            metrics_file = self.out / "metrics.jsonl"
+            if metrics_file.exists():
+                plot_metrics(metrics_file, self.out / "metrics.png")
+        return summary
+
+    def close(self) -> None:
+        self.bar.close()
+        self.images.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
+        self.log.close()
 
 
-def _commit(store: Store, cache: BlockCache, exchange: Exchange, step: int, cfg: TrainConfig) -> None:
-    """Every rank writes its dirty blocks; rank 0 alone writes the commit, once all have written."""
-    parts = exchange.gather(cache.flush())
-    if exchange.rank == 0:
-        updated = {k: v for u, _ in parts for k, v in u.items()}
-        removed = [k for _, r in parts for k in r]
-        state = {"step": step, "steps": cfg.steps, "seed": cfg.seed, "global_batch": cfg.batch_size * exchange.size}
-        store.commit(updated, removed, state=state)
-    exchange.barrier()
-    if exchange.rank != 0:
-        store.refresh()
+def check_strategy(cfg: TrainConfig, store: Store) -> None:
+    """Settings that need the store to judge, and what is not built yet."""
+    d = cfg.densify
+    if d.strategy == "mcmc":
+        raise TrainError("--strategy mcmc is not available yet (use default or none)")
+    if d.absgrad:
+        raise TrainError("--absgrad: the CPU rasterizer does not compute absolute 2D gradients yet")
+
+
+def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
+    """Train; returns the summary dict that is also printed and written as summary.json."""
+    return Trainer(cfg, exchange).run()
 
 
 def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[float, float]:

@@ -1,0 +1,35 @@
+"""The octree invariants a store keeps after every refinement, checked from its arrays."""
+from __future__ import annotations
+
+import numpy as np
+
+from octree.bounds import extent_box, tight_box
+from octree.keys import parse_key
+from octree.restructure import cell_holds
+from octree.root import RootCube
+from storage import Store
+
+
+def check_layout(store: Store, cap: int) -> int:
+    """Assert that every Gaussian lies in exactly one block, inside that block's cell, that no
+    block holds more than `cap` (but at the deepest level) and that the table's boxes are the
+    arrays' boxes; returns the number of Gaussians."""
+    octree = store.attrs["octree"]
+    root, max_depth = RootCube.from_attrs(octree), int(octree["max_depth"])
+    keys = sorted(store.table, key=lambda k: parse_key(k).morton_rank())
+    total = 0
+    for a, b in zip(keys, keys[1:]):  # disjoint cells: each ends before the next begins
+        ka, kb = parse_key(a), parse_key(b)
+        assert (ka.code + 1) << 3 * (21 - ka.depth) <= kb.morton_rank(), f"cells {a} and {b} overlap"
+    for key in keys:
+        info, k = store.table[key], parse_key(key)
+        arrays = store.read_block(key)
+        means = arrays["means"].astype(np.float64)
+        assert len(means) == info.count > 0
+        assert root.contains(means).all() and cell_holds(k, root.codes(means)).all(), f"{key}: a mean outside its cell"
+        assert info.count <= cap or k.depth == max_depth, f"{key}: {info.count} Gaussians > {cap}"
+        assert info.cell == tuple(root.cells(np.array([k.depth]), np.array([k.code]))[0])
+        assert info.tight == tight_box(arrays["means"])
+        assert info.extent == extent_box(arrays["means"], arrays["scales"])
+        total += info.count
+    return total
