@@ -163,3 +163,148 @@ def test_split_samples_are_keyed_by_seed_step_and_block():
 def test_bad_settings_are_refused_by_name(bad, match):
     with pytest.raises(ConfigError, match=match):
         DensifyConfig(**bad)
+
+
+def test_statistics_are_gsplat_densification_state(shared_data):
+    """One step's statistics from a real render (garden, two cameras of a batch): the sums of
+    normalised 2D gradient norms, the visible counts and the largest radii equal what gsplat's
+    DefaultStrategy gathers from the same projection in packed mode."""
+    from train.camera import Camera
+    from train.losses import photometric_loss
+    from train.render import pack_grads, project, rasterize
+    from train.render.splats2d import Splats2D
+    from train.stats import accumulate_stats, empty_stats
+
+    garden = np.load(shared_data / "test_garden.npz")
+    n = 20000
+    pts = torch.from_numpy(garden["means3d"][:n].astype(np.float32))
+    g = torch.Generator().manual_seed(0)
+    splats = {"means": pts, "scales": torch.full((n, 3), -3.5) + 0.3 * torch.randn(n, 3, generator=g),
+              "quats": torch.randn(n, 4, generator=g), "opacities": torch.randn(n, generator=g),
+              "sh0": torch.randn(n, 1, 3, generator=g) * 0.5, "shN": torch.zeros(n, 0, 3)}
+    ref = DefaultStrategy(refine_scale2d_stop_iter=1)
+    state = ref.initialize_state(SCENE_SCALE)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in splats.items()}
+    ours = empty_stats(n)
+    for c in range(2):
+        width, height = 648 // 2, 420 // 2
+        camera = Camera(garden["viewmats"][c], garden["Ks"][c] / 2 * np.array([1, 1, 2])[:, None], width, height)
+        s = project(splats, camera, 0)
+        leaf = Splats2D.unpack(s.pack(), ids=s.ids)
+        out = rasterize(leaf, camera)
+        (photometric_loss(out.rgb, torch.full_like(out.rgb, 0.3)) / 2).backward()
+        grads = pack_grads(leaf)
+        accumulate_stats(ours, s.ids, s.radii, grads, camera, 2)
+        means2d = grads[:, :2].clone()
+        info = {"means2d": torch.zeros(len(s), 2, requires_grad=True), "radii": s.radii, "gaussian_ids": s.ids,
+                "width": width, "height": height, "n_cameras": 2}
+        info["means2d"].grad = means2d
+        ref._update_state(params, state, info, packed=True)
+    assert (ours["count"] > 0).sum() > 5000 and (ours["count"] == 2).sum() > 1000
+    np.testing.assert_array_equal(ours["count"], state["count"].numpy())
+    np.testing.assert_allclose(ours["grad2d"], state["grad2d"].numpy(), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(ours["max_radii"], state["radii"].numpy(), rtol=1e-6)
+
+
+# ---- MCMC ----
+
+def _relocation_kernel(o: float, s: np.ndarray, n: int) -> tuple[float, np.ndarray]:
+    """gsplat's `relocation_kernel` (RelocationCUDA.cu) written out loop by loop, in float64."""
+    from math import comb, sqrt
+
+    new_o = 1.0 - (1.0 - o) ** (1.0 / n)
+    denom = sum(comb(i - 1, k) * (-1.0) ** k / sqrt(k + 1) * new_o ** (k + 1) for i in range(1, n + 1) for k in range(i))
+    return new_o, o / denom * s
+
+
+def test_relocation_is_equation_9_as_gsplat_computes_it():
+    from train.densify.mcmc import relocation
+
+    g = torch.Generator().manual_seed(5)
+    o = torch.rand(300, generator=g, dtype=torch.float64) * 0.98 + 0.01
+    s = torch.rand(300, 3, generator=g, dtype=torch.float64) + 0.1
+    n = torch.randint(1, 52, (300,), generator=g)
+    new_o, new_s = relocation(o, s, n)
+    for i in range(300):
+        ref_o, ref_s = _relocation_kernel(float(o[i]), s[i].numpy(), int(n[i]))
+        assert float(new_o[i]) == pytest.approx(ref_o, rel=1e-12)
+        np.testing.assert_allclose(new_s[i].numpy(), ref_s, rtol=1e-9)
+    # one copy changes nothing; n copies of opacity o' composite back to o
+    same_o, same_s = relocation(o, s, torch.ones(300, dtype=torch.int64))
+    torch.testing.assert_close(same_o, o)
+    torch.testing.assert_close(same_s, s)
+    torch.testing.assert_close(1 - (1 - new_o) ** n.clamp(max=51), o)
+
+
+def test_mcmc_draws_are_the_global_distribution_made_blockwise():
+    """Allocating draws to blocks by live opacity mass, then drawing inside each block by opacity,
+    is a draw over all live Gaussians by opacity: over many keyed draws, every Gaussian's share
+    of the draws approaches its opacity over the total."""
+    from train.densify.mcmc import allocate, relocate_block, summarize
+
+    cfg = DensifyConfig(strategy="mcmc")
+    blocks = [_block(n, seed=20 + i) for i, n in enumerate((40, 7, 90))]
+    for b in blocks:
+        b["opacities"] = torch.logit(torch.rand(len(b["opacities"]), generator=torch.Generator().manual_seed(len(b["opacities"]))) * 0.9 + 0.001)
+    summaries = [summarize(b, cfg) for b in blocks]
+    masses = np.array([m for m, _ in summaries])
+    counts = np.zeros(sum(len(b["means"]) for b in blocks))
+    live = np.concatenate([torch.sigmoid(b["opacities"]).double().numpy() * (torch.sigmoid(b["opacities"]) > 0.005).numpy()
+                           for b in blocks])
+    offsets = np.cumsum([0] + [len(b["means"]) for b in blocks])
+    trials = 300
+    for t in range(trials):
+        draws = allocate(masses, 200, seed=t, step=600)
+        assert draws.sum() == 200
+        for i, (b, n) in enumerate(zip(blocks, draws)):
+            out = relocate_block(b, int(n), cfg, keyed_generator(t, 600, f"3-{i}", 3))
+            dead = int((torch.sigmoid(b["opacities"]) <= 0.005).sum())
+            assert out.relocated == summaries[i][1] == dead and out.added == n
+            assert len(out.block["means"]) == len(b["means"]) - dead + n
+            # the copies are their sources after the split of opacity and scale: the source rows
+            # of each copy are found by identical means
+            src = out.block["means"][: len(b["means"]) - dead]
+            copies = out.block["means"][len(b["means"]) - dead :]
+            alive = torch.where(torch.sigmoid(b["opacities"]) > 0.005)[0]
+            for c in range(len(copies)):
+                row = int(torch.where((src == copies[c]).all(1))[0][0])
+                counts[offsets[i] + int(alive[row])] += 1
+                assert not out.block["exp_avg_means"][row].any()
+    expected = live / live.sum() * 200 * trials
+    assert np.abs(counts - expected).max() < 6 * np.sqrt(expected.max())
+    assert np.corrcoef(counts, expected)[0, 1] > 0.99
+
+
+def test_mcmc_noise_is_gsplat_inject_noise_to_position():
+    from gsplat.cuda._torch_impl import _quat_scale_to_covar_preci
+
+    from train.densify.mcmc import perturb_means
+
+    block = _block(64, seed=6)
+    block["opacities"] = torch.linspace(-8, 8, 64)
+    rows = torch.arange(0, 64, 3)
+    means = block["means"].clone()
+    perturb_means(block, rows, 0.37, keyed_generator(0, 7, "2-5", 2))
+    noise = torch.randn(64, 3, generator=keyed_generator(0, 7, "2-5", 2))
+    covars, _ = _quat_scale_to_covar_preci(block["quats"], torch.exp(block["scales"]), compute_preci=False)
+    gate = 1 / (1 + torch.exp(-100 * ((1 - torch.sigmoid(block["opacities"])) - 0.995)))
+    expected = means + torch.einsum("bij,bj->bi", covars, noise * gate[:, None] * 0.37)
+    torch.testing.assert_close(block["means"][rows], expected[rows], rtol=1e-5, atol=1e-7)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(block["means"][untouched], means[untouched])
+    assert (block["means"][rows] != means[rows]).any()
+
+
+def test_mcmc_refines_on_gsplat_schedule():
+    from gsplat.strategy import MCMCStrategy
+
+    from train.densify import mcmc
+
+    cfg = DensifyConfig(strategy="mcmc", refine_start_iter=20, refine_every=10, refine_stop_iter=90)
+    ref = MCMCStrategy(refine_start_iter=20, refine_every=10, refine_stop_iter=90)
+    ours = [s for s in range(200) if mcmc.refines_at(s, cfg)]
+    assert ours == [s for s in range(200) if ref.refine_start_iter < s < ref.refine_stop_iter
+                    and s % ref.refine_every == 0] == [30, 40, 50, 60, 70, 80]
+    assert DensifyConfig(strategy="mcmc").stop_iter == MCMCStrategy().refine_stop_iter == 25_000
+    assert DensifyConfig().stop_iter == DefaultStrategy().refine_stop_iter == 15_000

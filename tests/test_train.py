@@ -13,30 +13,11 @@ import pytest
 from storage import Store
 from storage.schema import PARAM_NAMES, bytes_per_gaussian
 from tools.export import main as export_main
-from tools.make_scene import main as make_scene_main
 from tools.tile.__main__ import main as tile_main
 from train.config import TrainConfig
 from train.trainer import TrainError, run
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def lund_store(shared_data: Path, tmp_path_factory) -> Path:
-    """lund_door tiled once into small blocks."""
-    out = tmp_path_factory.mktemp("tiled") / "lund.zarr"
-    assert tile_main([str(shared_data / "lund_door"), "--out", str(out), "--max-per-block", "600"]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def wall(tmp_path_factory) -> tuple[Path, Path]:
-    """A generated 120 m facade, tiled into 64 blocks; the blocks any camera sees hold at most 17%
-    of the Gaussians, so a cache of a quarter of the scene suffices and really pages."""
-    root = tmp_path_factory.mktemp("wall")
-    assert make_scene_main(["wall", str(root / "data"), "--wall-length", "120", "--cameras", "32"]) == 0
-    assert tile_main([str(root / "data"), "--out", str(root / "wall.zarr"), "--max-per-block", "400"]) == 0
-    return root / "data", root / "wall.zarr"
 
 
 def _copy(store: Path, tmp_path: Path, name: str) -> Path:

@@ -39,7 +39,7 @@ def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:
 
 
 def plot_metrics(metrics: Path, png: Path) -> None:
-    """Loss and PSNR over steps (training curve plus held-out points) as one PNG."""
+    """Loss, PSNR (training curve plus held-out points) and the Gaussian count over steps, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,7 +52,7 @@ def plot_metrics(metrics: Path, png: Path) -> None:
             train.append(r)
         elif r["kind"] == "eval":
             evals.append(r)
-    fig, (ax_loss, ax_psnr) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_psnr, ax_count) = plt.subplots(1, 3, figsize=(15, 4))
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss (0.8 L1 + 0.2 D-SSIM)")
@@ -62,6 +62,10 @@ def plot_metrics(metrics: Path, png: Path) -> None:
     ax_psnr.set_xlabel("step")
     ax_psnr.set_ylabel("PSNR (dB)")
     ax_psnr.legend()
+    counts = [r for r in train if "gaussians" in r]
+    ax_count.plot([r["step"] for r in counts], [r["gaussians"] for r in counts])
+    ax_count.set_xlabel("step")
+    ax_count.set_ylabel("Gaussians")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

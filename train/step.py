@@ -40,7 +40,7 @@ class StepStats:
     local: int = 0  # splats this rank rasterized that it owns
     received: int = 0  # splats this rank rasterized that another rank owns
     contributed: int = 0  # owned Gaussians stepped by Adam
-    extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every stepped block
+    extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every block the step changed
     # Seconds in each phase: io (paging blocks in), project, exchange (both directions and the
     # NaN vote, waiting for other ranks included), render (rasterize, loss, backward), backprop
     # (owners through their projections), adam (and statistics, extents).
@@ -275,30 +275,34 @@ def adam_update(
     lrs: dict[str, float],
     adam: AdamConfig,
     stats: StepStats,
+    perturb=None,  # train.densify.Perturb: applied to each block's rows the step saw, after Adam
 ) -> None:
     """Sparse Adam on the contributing rows of each block, then the densification statistics
-    (summed in camera order: the sums must not depend on who rendered what)."""
+    (summed in camera order: the sums must not depend on who rendered what) of every Gaussian a
+    camera saw, as gsplat counts them."""
     g, owned, n_cams = projected.gathered, projected.owned, len(cameras)
     acc = empty_stats(g.offsets[-1])
     for i in sorted(bp.back):
-        accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i][0], bp.contributed, cameras[i], n_cams)
+        accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i][0], cameras[i], n_cams)
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
     optimizer = SparseAdam(grads, bp.contributed, lrs, adam)
-    stepped = []
+    changed = []
     for b, k in enumerate(paged.keys):
         lo, hi = g.offsets[b], g.offsets[b + 1]
         t = paged.tensors[k]
         rows = optimizer.step(t, lo, paged.cached[k].arrays(numpy_arrays))
-        if rows == 0:
+        if rows == 0 and not acc["count"][lo:hi].any():
             continue
         t["grad2d"] += torch.from_numpy(acc["grad2d"][lo:hi]).to(t["grad2d"].device)
         t["count"] += torch.from_numpy(acc["count"][lo:hi]).to(t["count"].device)
         torch.maximum(t["max_radii"], torch.from_numpy(acc["max_radii"][lo:hi]).to(t["max_radii"].device),
                       out=t["max_radii"])
+        if perturb is not None:
+            perturb(k, t, torch.from_numpy(np.flatnonzero(acc["count"][lo:hi])).to(t["means"].device))
         cache.mark_dirty(k)
-        stepped.append(k)
+        changed.append(k)
         stats.contributed += rows
-    stats.extents = _extents({k: paged.tensors[k] for k in stepped})
+    stats.extents = _extents({k: paged.tensors[k] for k in changed})
 
 
 def train_step(
@@ -313,6 +317,7 @@ def train_step(
     adam: AdamConfig,
     background: Tensor,  # [3]
     backend: str = "cpu",
+    perturb=None,  # train.densify.Perturb (MCMC's noise on the means), or None
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
@@ -338,7 +343,7 @@ def train_step(
         if skip:
             stats.skipped = True
             return stats
-        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats)
+        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb)
         if rendered.losses:
             stats.loss = float(torch.stack(rendered.losses).mean())
             stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))

@@ -222,8 +222,10 @@ class Trainer:
                 self.plan(step + 1)
             lrs = learning_rates(self.adam, step, self.cfg.steps, self.scene.scene_scale)
             degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
+            perturb = self.densifier.perturb(
+                step, learning_rates(self.adam, step + 1, self.cfg.steps, self.scene.scene_scale)["means"])
             stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
-                               self.background, self.backend)
+                               self.background, self.backend, perturb)
         finally:
             self.cache.unpin(needed)
         self.region.update_extents(stats.extents)
@@ -368,8 +370,12 @@ class Trainer:
 def check_strategy(cfg: TrainConfig, store: Store) -> None:
     """Settings that need the store to judge, and what is not built yet."""
     d = cfg.densify
-    if d.strategy == "mcmc":
-        raise TrainError("--strategy mcmc is not available yet (use default or none)")
+    if d.strategy != "none" and "octree" not in store.attrs:
+        raise TrainError(f"store {cfg.store} records no octree (root cube, leaf cap): densification needs it "
+                         "to place Gaussians in blocks; tile the store again or pass --strategy none")
+    total = sum(info.count for info in store.table.values())
+    if d.strategy == "mcmc" and d.cap_max < total:
+        raise TrainError(f"--cap-max {d.cap_max} is below the {total} Gaussians {cfg.store} holds already")
     if d.absgrad:
         raise TrainError("--absgrad: the CPU rasterizer does not compute absolute 2D gradients yet")
 

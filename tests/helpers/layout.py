@@ -33,3 +33,12 @@ def check_layout(store: Store, cap: int) -> int:
         assert info.extent == extent_box(arrays["means"], arrays["scales"])
         total += info.count
     return total
+
+
+def assert_same_blocks(a: Store, b: Store, what: str = "") -> None:
+    """The same blocks with every array (parameters, Adam state, statistics) equal bit for bit."""
+    assert b.table.keys() == a.table.keys(), what
+    for k in a.table:
+        x, y = a.read_block(k), b.read_block(k)
+        for name in x:
+            np.testing.assert_array_equal(y[name], x[name], err_msg=f"{what} {k}/{name}")

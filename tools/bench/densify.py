@@ -1,6 +1,6 @@
 """`python -m tools.bench densify [SECTION ...] [--quick] [--only RUN ...]`: adaptive density control.
 
-Each scene is trained three ways, side by side in one bench run, each from a fresh copy of the
+Each scene is trained four ways, side by side in one bench run, each from a fresh copy of the
 same store (`python -m tools.tile`), `--steps` steps at batch 1, seed 0, on the trainer's camera
 schedule, scored on the dataset's held-out views every `--eval-every` steps and at the end:
 
@@ -11,6 +11,10 @@ reference: gsplat's own densification in this process, all in memory: `gsplat.st
     decaying to 1% over the run), its loss and SH schedule; the strategy's post-backward step runs
     after the optimisers stepped, as simple_trainer does. Everything but the strategy is
     `tools.bench.train.dense_reference`.
+reference-visible: the same with simple_trainer's `--visible_adam` (gsplat's SelectiveAdam: Adam
+    changes only the rows the camera projected), the optimizer closest to the trainer's sparse
+    Adam (which changes only rows that reached a pixel); it tells how much of a gap to the
+    reference is the optimizer rather than densification.
 ours: `python -m train --strategy default` with the same refine schedule (`Refine`): what blocks,
     out-of-core paging and sparse Adam do to densification.
 ours-none: `python -m train --strategy none`, the same store without densification: what
@@ -20,6 +24,10 @@ Scenes: lund_door (SfM points, 12 photos), vesta_colmap_bin (1,465 SfM points, 4
 `nopoints`, the `tools.make_scene wall` dataset without its point cloud, tiled from random points
 (`--init-random`): densification has to make the scene. Section `mcmc` trains lund_door with
 `--strategy mcmc --cap-max 3 x initial`; a failure there is reported and the rest goes on.
+Section `ranks` trains lund_door with densification under `mpirun -n 4` (batch 1 a rank) and
+under `mpirun -n 1` (batch 4), `--ranks-steps` steps, and checks that both end with the same
+blocks bit for bit; it prints, per refinement, the rebalance and the Gaussians each rank owns
+after it (max / mean).
 Targets per scene: ours >= reference - 0.1 dB PSNR, SSIM within 0.005 of it, ours >= ours-none + 1 dB,
 final Gaussian count within 5% of the reference's. s/step: the step's own time (render, backward,
 Adam, densification; the trainer's `seconds` field, every 10th step), after warm-up steps.
@@ -50,9 +58,10 @@ from train.render import render
 from train.schedule import Schedule
 from train.trainer import load_cameras, look_features
 
-SECTIONS = ("lund_door", "vesta", "nopoints", "mcmc")
-RUNS = ("reference", "ours", "ours-none", "mcmc")
-LABELS = {"reference": "ref: gsplat", "ours": "ours+densify", "ours-none": "ours-none"}
+SECTIONS = ("lund_door", "vesta", "nopoints", "mcmc", "ranks")
+RUNS = ("reference", "reference-visible", "ours", "ours-none", "mcmc")
+LABELS = {"reference": "ref: gsplat", "reference-visible": "ref: visible", "ours": "ours+densify",
+          "ours-none": "ours-none"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ class Refine:
 
 
 @dataclass(frozen=True)
-class DensifyConfig:
+class BenchConfig:
     """One bench run: every run of every scene trains this long on this schedule."""
 
     steps: int = 3000
@@ -131,9 +140,11 @@ class ResetFixedStrategy(DefaultStrategy):
             self.resets.append(step)
 
 
-def reference(spec: SceneSpec, cfg: DensifyConfig) -> Result:
+def reference(spec: SceneSpec, cfg: BenchConfig, visible_adam: bool = False) -> Result:
     """dense_reference's trainer with gsplat's DefaultStrategy (module docstring); steps are 0-based
-    for the strategy, as in simple_trainer, and 1-based (steps done) in the curves, as in the trainer's logs."""
+    for the strategy, as in simple_trainer, and 1-based (steps done) in the curves, as in the trainer's logs.
+    visible_adam: as simple_trainer's --visible_adam (gsplat's SelectiveAdam), Adam changes only the
+    rows the camera projected: the others' parameters and moments are put back after each step."""
     torch.manual_seed(cfg.seed)  # split() samples new means
     store = Store.open(spec.store, mode="r")
     scene = load_cameras(TrainConfig(data=str(spec.data), store=str(spec.store), data_factor=spec.data_factor), store)
@@ -170,8 +181,19 @@ def reference(spec: SceneSpec, cfg: DensifyConfig) -> Result:
                 "width": cam.width, "height": cam.height, "n_cameras": 1}
         strategy.step_pre_backward(splats, optimizers, state, step, info)
         photometric_loss(rgb, photos[cam.name]).backward()
-        for opt in optimizers.values():
+        hidden = torch.ones(len(splats["means"]), dtype=torch.bool)
+        hidden[meta["ids"]] = False
+        for name, opt in optimizers.items():
+            if visible_adam:
+                p = splats[name]
+                kept = {k: v[hidden].clone() for k, v in opt.state.get(p, {}).items() if k != "step"}
+                kept["param"] = p.detach()[hidden].clone()
             opt.step()
+            if visible_adam:
+                with torch.no_grad():
+                    p[hidden] = kept.pop("param")
+                    for k, v in kept.items():
+                        opt.state[p][k][hidden] = v
             opt.zero_grad(set_to_none=True)
         decay.step()
         strategy.step_post_backward(splats, optimizers, state, step, info, packed=True)
@@ -186,7 +208,7 @@ def reference(spec: SceneSpec, cfg: DensifyConfig) -> Result:
                   note=f"opacity resets at steps {resets}")
 
 
-def ours(spec: SceneSpec, cfg: DensifyConfig, name: str, options: list[str]) -> Result:
+def ours(spec: SceneSpec, cfg: BenchConfig, name: str, options: list[str]) -> Result:
     """`python -m train` on a fresh copy of the store; curves from its metrics.jsonl."""
     out = spec.store.parent / f"densify-{spec.name}-{name}"
     run = train(spec.data, spec.store, out, cfg.steps, "--data-factor", str(spec.data_factor), "--seed",
@@ -202,7 +224,7 @@ def ours(spec: SceneSpec, cfg: DensifyConfig, name: str, options: list[str]) -> 
                   note=f"whole run {s['seconds_per_step']:.4f} s/step (start-up, commits, evals included)")
 
 
-def compare(spec: SceneSpec, cfg: DensifyConfig, results: dict[str, Result]) -> None:
+def compare(spec: SceneSpec, cfg: BenchConfig, results: dict[str, Result]) -> None:
     """Print the scene's table and whether each target is met."""
     size = store_size(spec.store)
     print(f"\n[{spec.name}] --data-factor {spec.data_factor}: {size.gaussians:,} initial Gaussians in {size.blocks} "
@@ -254,6 +276,40 @@ def plot(png: Path, scenes: dict[str, dict[str, Result]]) -> None:
     plt.close(fig)
 
 
+def ranks(spec: SceneSpec, cfg: BenchConfig, steps: int) -> bool:
+    """4 ranks against 1 at the same global batch: bit for bit, and the regions' balance."""
+    options = ["--data-factor", str(spec.data_factor), "--seed", str(cfg.seed), "--batch-size", "4",
+               "--strategy", "default", *cfg.refine.flags(), "--log-every", str(cfg.log_every)]
+    one = train(spec.data, spec.store, spec.store.parent / "densify-ranks-1", steps, *options, ranks=1)
+    four = train(spec.data, spec.store, spec.store.parent / "densify-ranks-4", steps, *options, "--batch-size", "1",
+                 ranks=4)  # (the later --batch-size wins)
+    a = Store.open(spec.store.parent / "densify-ranks-1.zarr", mode="r")
+    b = Store.open(spec.store.parent / "densify-ranks-4.zarr", mode="r")
+    same = a.table.keys() == b.table.keys() and all(
+        np.array_equal(x, y) for k in a.table for x, y in zip(a.read_block(k).values(), b.read_block(k).values()))
+    refines: dict[int, list[dict]] = {}
+    for r in range(4):
+        for line in (spec.store.parent / "densify-ranks-4" / f"metrics.rank{r}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "refine":
+                refines.setdefault(record["step"], []).append(record)
+    print(f"\n[ranks] lund_door --data-factor {spec.data_factor}, {steps} steps, global batch 4: mpirun -n 4 "
+          f"{four.summary['seconds_per_step']:.4f} s/step, -n 1 {one.summary['seconds_per_step']:.4f} s/step; "
+          f"{sum(i.count for i in a.table.values()):,} Gaussians in {len(a.table)} blocks")
+    print(f"same blocks bit for bit on 4 ranks and 1: {'yes' if same else 'NO'}")
+    print(f"{'step':>6s} {'Gaussians':>10s} {'owned per rank':>32s} {'max/mean':>9s} {'imbalance before/after':>23s} "
+          f"{'blocks moved':>13s} {'MiB moved':>10s} {'rows sent MiB':>14s}")
+    for step, lines in sorted(refines.items()):
+        lines.sort(key=lambda r: r["owned"])
+        owned = np.array([r["owned"] for r in lines])
+        r0 = lines[0]
+        print(f"{step:>6d} {r0['gaussians']:>10,d} {' '.join(f'{o:>7,d}' for o in owned):>32s} "
+              f"{owned.max() / owned.mean():>9.3f} {r0['imbalance_before']:>11.3f}/{r0['imbalance_after']:<11.3f} "
+              f"{r0['rebalanced_blocks']:>13d} {r0['rebalanced_bytes'] / 2**20:>10.2f} "
+              f"{sum(r['bytes_sent'] for r in lines) / 2**20:>14.3f}")
+    return same
+
+
 def nopoints_dataset(work: Path) -> Path:
     """The wall dataset without its point cloud: transforms.json minus `ply_file_path` (make_scene
     always writes one), photos linked; the loader then draws random points."""
@@ -269,11 +325,11 @@ def nopoints_dataset(work: Path) -> Path:
     return out
 
 
-def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: DensifyConfig) -> dict[str, SceneSpec]:
+def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConfig) -> dict[str, SceneSpec]:
     """Datasets (writable copies: the trainer writes its downscaled photos beside them) and pristine
     stores of the sections asked for, made once per work folder."""
     specs = {}
-    if {"lund_door", "mcmc"} & set(sections):
+    if {"lund_door", "mcmc", "ranks"} & set(sections):
         data = copy_dataset(data_root / "lund_door", work / "lund_door")
         store = tile(data, work / f"lund_door-{cfg.max_per_block}.zarr", cfg.max_per_block)
         specs["lund_door"] = SceneSpec("lund_door", data, store, cfg.lund_factor)
@@ -308,6 +364,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, default, quick in (("refine-start-iter", 500, 100), ("refine-every", 100, 50),
                                  ("reset-every", 3000, 200)):
         p.add_argument(f"--{name}", type=int, help=f"refine schedule, both sides (default {default}, --quick {quick})")
+    p.add_argument("--ranks-steps", type=int, default=1000, help="ranks: training steps of the 4- and 1-rank runs")
     p.add_argument("--vesta-factor", type=int, help="vesta's image downscale factor (default 2: 512 x 512)")
     p.add_argument("--init-random", type=int, help="nopoints: random initial Gaussians (default 10000)")
     p.add_argument("--plot", type=Path, help="the PNG (default: WORK/densify.png, without --work $TMPDIR/densify.png)")
@@ -325,7 +382,7 @@ def main(argv: list[str]) -> int:
                  "init_random"):
         if getattr(a, name) is not None and getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
-    base = DensifyConfig(steps=300, eval_every=100, refine=Refine(100, 50, 200)) if a.quick else DensifyConfig()
+    base = BenchConfig(steps=300, eval_every=100, refine=Refine(100, 50, 200)) if a.quick else BenchConfig()
     refine = Refine(*(getattr(a, n) or getattr(base.refine, n) for n in ("refine_start_iter", "refine_every",
                                                                           "reset_every")))
     cfg = replace(base, steps=a.steps or base.steps, eval_every=a.eval_every or base.eval_every, refine=refine,
@@ -342,11 +399,13 @@ def main(argv: list[str]) -> int:
         png = a.plot or (work if a.work else Path(tempfile.gettempdir())) / "densify.png"
         try:
             specs = scene_specs(work, a.data, a.sections, cfg)
-            for name in (s for s in a.sections if s != "mcmc"):
+            for name in (s for s in a.sections if s not in ("mcmc", "ranks")):
                 spec, results = specs[name], scenes.setdefault(name, {})
                 try:
                     if "reference" in cfg.runs:
                         results["reference"] = reference(spec, cfg)
+                    if "reference-visible" in cfg.runs:
+                        results["reference-visible"] = reference(spec, cfg, visible_adam=True)
                     if "ours" in cfg.runs:
                         results["ours"] = ours(spec, cfg, "ours", ["--strategy", "default", *cfg.refine.flags()])
                     if "ours-none" in cfg.runs:
@@ -376,6 +435,12 @@ def main(argv: list[str]) -> int:
                     print(f"  {LABELS[run]}: {other.psnr:.3f} dB, {other.gaussians:,} Gaussians")
                 scenes.setdefault("lund_door", {})["mcmc"] = r
                 plot(png, scenes)
+        if "ranks" in a.sections:
+            try:
+                failed |= not ranks(specs["lund_door"], cfg, a.ranks_steps)
+            except BenchError as e:
+                print(f"error: ranks: {e}", file=sys.stderr)
+                failed = True
         if scenes:
             print(f"\nplot: {png}")
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average {os.getloadavg()[0]:.1f}")

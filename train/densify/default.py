@@ -30,6 +30,8 @@ class Grown:
     cloned: int = 0  # Gaussians duplicated (each adds one)
     split: int = 0  # Gaussians split in two (each adds one net)
     pruned: int = 0  # Gaussians removed
+    relocated: int = 0  # MCMC: dead Gaussians removed (as many are drawn again, somewhere, among `added`)
+    added: int = 0  # MCMC: Gaussians drawn by opacity (copies of live ones)
 
 
 def refines_at(step: int, cfg: DensifyConfig) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ from octree.root import RootCube
 from storage.rows import Block, pack_rows, take_rows, unpack_rows
 from storage.schema import bytes_per_gaussian
 from train.densify.config import DensifyConfig
-from train.densify.default import refine_block, reset_opacities
+from train.densify.default import Grown, refine_block, reset_opacities
 from train.densify.keyed import SPLIT, keyed_generator
 from train.exchange import Exchange
 from train.region import Ownership
@@ -48,6 +49,8 @@ class RefineReport:
     cloned: int = 0
     split: int = 0  # Gaussians split (each adds one)
     pruned: int = 0
+    relocated: int = 0  # MCMC: dead Gaussians removed, their number drawn again among `added`
+    added: int = 0  # MCMC: Gaussians drawn by opacity into this rank's blocks
     dropped: int = 0  # Gaussians whose mean left the root cube (removed)
     migrated_out: int = 0  # rows that left one of this rank's blocks for another block
     migrated_in: int = 0  # rows that arrived in one of this rank's blocks from another block
@@ -88,9 +91,11 @@ class Refiner:
             reset_opacities(self.cache.get(key).tensors, self.cfg.prune_opa)
             self.cache.mark_dirty(key)
 
-    def refine(self, step: int, keys: list[str], ownership: Ownership, reset: bool) -> RefineReport:
-        """Refine `keys` (owned blocks, Morton order); then, if `reset`, reset every owned block's
-        opacities. Leaves the cache dirty: the trainer commits."""
+    def refine(self, step: int, keys: list[str], ownership: Ownership, reset: bool,
+               grow: Callable[[str, Block], Grown] | None = None) -> RefineReport:
+        """Refine `keys` (owned blocks, Morton order) with `grow` (default: the default strategy's
+        `refine_block`); then, if `reset`, reset every owned block's opacities. Leaves the cache
+        dirty: the trainer commits."""
         start = time.perf_counter()
         report = RefineReport(refined=len(keys))
         table = self.store.table
@@ -104,7 +109,7 @@ class Refiner:
         arrivals: Counter[str] = Counter()
         for i, key in enumerate(keys):
             self.cache.prefetch(keys[i + 1 : i + 1 + _PREFETCH])
-            stays, moves = self._home(key, self._grow(step, key, report, reset), depths, codes, report)
+            stays, moves = self._home(key, self._grow(step, key, report, reset, grow), depths, codes, report)
             if moves is not None:
                 leaving.append(moves)
                 names, inverse = _targets(moves.header)
@@ -162,16 +167,20 @@ class Refiner:
 
     # ---- one block ----
 
-    def _grow(self, step: int, key: str, report: RefineReport, reset: bool) -> Block:
+    def _grow(self, step: int, key: str, report: RefineReport, reset: bool,
+              grow: Callable[[str, Block], Grown] | None) -> Block:
         self.cache.pin([key])
         try:
             tensors = self.cache.get(key).tensors
-            grown = refine_block(tensors, step, self.cfg, self.scene_scale, keyed_generator(self.seed, step, key, SPLIT))
+            if grow is None:
+                grown = refine_block(tensors, step, self.cfg, self.scene_scale,
+                                     keyed_generator(self.seed, step, key, SPLIT))
+            else:
+                grown = grow(key, tensors)
         finally:
             self.cache.unpin([key])
-        report.cloned += grown.cloned
-        report.split += grown.split
-        report.pruned += grown.pruned
+        for name in ("cloned", "split", "pruned", "relocated", "added"):
+            setattr(report, name, getattr(report, name) + getattr(grown, name))
         if reset:
             reset_opacities(grown.block, self.cfg.prune_opa)
         return grown.block

@@ -79,8 +79,7 @@ def _compile_all() -> None:
     grads = {name: p.grad for name, p in params.items()}
     sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
     acc = empty_stats(n)
-    accumulate_stats(acc, torch.arange(n), torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, 9),
-                     torch.ones(n, dtype=torch.bool), camera, 1)
+    accumulate_stats(acc, torch.arange(n), torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, 9), camera, 1)
 
 
 if __name__ == "__main__":
