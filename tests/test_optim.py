@@ -135,3 +135,35 @@ def test_locality_schedule_reorders_steps_within_windows_only():
 def test_locality_order_is_a_nearest_neighbour_chain():
     points = np.array([[0.0], [10.0], [1.0], [11.0], [2.0]])
     assert locality_order(points).tolist() == [0, 2, 4, 1, 3]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_global_step_bias_correction_is_torch_adam_on_the_selected_rows(compiled):
+    """`--visible-adam`: rows selected on some steps only, bias-corrected by the training step,
+    equal torch's Adam whose unselected rows (parameters and moments) are put back after each
+    step, which is what gsplat's SelectiveAdam does."""
+    cfg = AdamConfig()
+    lrs = learning_rates(cfg, 0, 100, scene_scale=1.0)
+    block = _block(6)
+    ref = {n: block[n].clone().requires_grad_(True) for n in PARAM_NAMES}
+    opt = torch.optim.Adam([{"params": [ref[n]], "lr": lrs[n]} for n in PARAM_NAMES], betas=cfg.betas, eps=cfg.eps)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 8):
+        mask = torch.rand(6, generator=g) < 0.5
+        mask[0] = step % 2 == 0  # (row 0 unselected at the first step: its moments stay zero there too)
+        grads = {n: torch.randn(block[n].shape, generator=g) for n in PARAM_NAMES}
+        SparseAdam(grads, mask, lrs, cfg, global_step=step).step(block, 0, numpy_arrays(block) if compiled else None)
+        zero = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        kept = {n: (ref[n].detach()[~mask].clone(),
+                    {k: opt.state[ref[n]][k][~mask].clone() if ref[n] in opt.state else zero[k] for k in zero})
+                for n in PARAM_NAMES}
+        for n in PARAM_NAMES:
+            ref[n].grad = grads[n].clone()
+        opt.step()
+        with torch.no_grad():
+            for n, (p, moments) in kept.items():
+                ref[n][~mask] = p
+                for k, v in moments.items():
+                    opt.state[ref[n]][k][~mask] = v
+    for n in PARAM_NAMES:
+        torch.testing.assert_close(block[n], ref[n].detach(), rtol=1e-5, atol=1e-6)

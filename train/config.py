@@ -38,6 +38,7 @@ class TrainConfig:
     background: tuple[float, float, float] = (0.0, 0.0, 0.0)
     max_eval_images: int = 0  # evaluate at most this many held-out views (0: all)
     progress: bool = True  # show a progress bar on rank 0
+    visible_adam: bool = False  # gsplat's visible_adam: Adam steps every Gaussian a camera of the step projected, bias-corrected by the training step (gsplat's SelectiveAdam); default: only Gaussians that reached a pixel, by their own step count, so hidden Gaussians stay untouched
     densify: DensifyConfig = field(default_factory=DensifyConfig)
 
     def __post_init__(self) -> None:

@@ -1,8 +1,10 @@
 """Sparse, per-row Adam over block tensors.
 
-A row's moments and its step count change only on steps where its Gaussian contributed to a
-pixel. Bias correction uses the row's own step count, so a block that sat on disk for a thousand
-steps resumes exactly where it stopped: the update of a row never depends on what other rows did.
+A row's moments and its step count change only on the steps the caller's mask selects (the
+trainer's default: its Gaussian contributed to a pixel; `--visible-adam`: a camera projected it).
+Bias correction uses the row's own step count, so a block that sat on disk for a thousand steps
+resumes exactly where it stopped, or (`global_step`) the training step, as torch's Adam and
+gsplat's SelectiveAdam do; either way the update of a row never depends on what other rows did.
 """
 from __future__ import annotations
 
@@ -75,16 +77,17 @@ def _adam_rows_cpu(p, g, m, v, rows, step, lo, lr, b1, b2, eps):
 
 
 @numba.njit(cache=True, nogil=True)
-def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps):  # -> rows stepped
+def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, global_step):  # -> rows stepped
     """ps, ms, vs: tuples of a block's [N, D_k] float32 arrays; gs: the batch's [M, D_k]; lrs [K];
-    adam_step [N] int32, advanced on the rows whose mask[lo + row] is set."""
+    adam_step [N] int32, advanced on the rows whose mask[lo + row] is set; bias correction by
+    each row's count, or by global_step where it is positive."""
     n = adam_step.shape[0]
     rows, step = np.empty(n, np.int64), np.empty(n, np.int32)
     k = 0
     for r in range(n):
         if mask[lo + r]:
             adam_step[r] += 1
-            rows[k], step[k] = r, adam_step[r]
+            rows[k], step[k] = r, (adam_step[r] if global_step <= 0 else global_step)
             k += 1
     for j in range(len(ps)):
         _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], step[:k], lo, lrs[j], b1, b2, eps)
@@ -127,8 +130,10 @@ class SparseAdam:
         mask: Tensor,  # [M] bool: the batch rows to update (those that contributed to a pixel)
         lrs: dict[str, float],
         cfg: AdamConfig,
+        global_step: int = 0,  # > 0: bias correction by this step (torch's, gsplat's SelectiveAdam), not each row's count
     ) -> None:
         self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
+        self.global_step = global_step
         self._compiled = None
         if mask.device.type == "cpu" and all(grads[x].device.type == "cpu" for x in PARAM_NAMES):
             # (explicit widths: a rank that sees nothing this step has an empty batch)
@@ -150,12 +155,15 @@ class SparseAdam:
             # the step counts) cost more than the arithmetic of a small block.
             g, m, lr = self._compiled
             p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
-            return int(_adam_block_cpu(p, g, ms, vs, lr, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps))
+            return int(_adam_block_cpu(p, g, ms, vs, lr, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps,
+                                       self.global_step))
         rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
         if rows.numel() == 0:
             return 0
         step = block["adam_step"][rows] + 1  # [R]
         block["adam_step"][rows] = step
+        if self.global_step > 0:
+            step = torch.full_like(step, self.global_step)
         for name in PARAM_NAMES:
             _adam_rows_torch(block[name], self.grads[name][lo : lo + n], block[f"exp_avg_{name}"],
                              block[f"exp_avg_sq_{name}"], rows, step, self.lrs[name], b1, b2, eps)

@@ -182,7 +182,7 @@ class Backprop:
     """Each owned camera's splat gradients and contributed flags, and the batch rows to step."""
 
     back: dict[int, tuple[Tensor, Tensor]]  # camera index -> (grads [M, 9], contributed [M])
-    contributed: Tensor  # [N] bool over the batch
+    contributed: Tensor  # [N] bool over the batch: the rows Adam steps
 
 
 def page_in(cameras: list[Camera], region: Region, cache) -> Paged:
@@ -248,12 +248,15 @@ def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange) -> dict
     return back
 
 
-def backprop_owned(projected: Projected, back: dict[int, tuple[Tensor, Tensor]]) -> Backprop:
+def backprop_owned(projected: Projected, back: dict[int, tuple[Tensor, Tensor]], visible_adam: bool) -> Backprop:
+    """Owners backpropagate their projections; the rows Adam steps are those that reached a
+    pixel (or, with visible_adam, every row a camera projected)."""
     projected.projection.backward({i: grads for i, (grads, _) in back.items()})
     g = projected.gathered
     contributed = torch.zeros(g.offsets[-1], dtype=torch.bool, device=g.params["means"].device)
     for i, (_, flags) in back.items():
-        contributed[projected.owned[i].ids[flags]] = True
+        ids = projected.owned[i].ids
+        contributed[ids if visible_adam else ids[flags]] = True
     return Backprop(back, contributed)
 
 
@@ -276,6 +279,7 @@ def adam_update(
     adam: AdamConfig,
     stats: StepStats,
     perturb=None,  # train.densify.Perturb: applied to each block's rows the step saw, after Adam
+    global_step: int = 0,  # > 0: Adam's bias correction by this step (visible_adam), not each row's count
 ) -> None:
     """Sparse Adam on the contributing rows of each block, then the densification statistics
     (summed in camera order: the sums must not depend on who rendered what) of every Gaussian a
@@ -285,7 +289,7 @@ def adam_update(
     for i in sorted(bp.back):
         accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i][0], cameras[i], n_cams)
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
-    optimizer = SparseAdam(grads, bp.contributed, lrs, adam)
+    optimizer = SparseAdam(grads, bp.contributed, lrs, adam, global_step)
     changed = []
     for b, k in enumerate(paged.keys):
         lo, hi = g.offsets[b], g.offsets[b + 1]
@@ -318,6 +322,7 @@ def train_step(
     background: Tensor,  # [3]
     backend: str = "cpu",
     perturb=None,  # train.densify.Perturb (MCMC's noise on the means), or None
+    visible_adam_step: int = 0,  # > 0: gsplat's visible_adam, this being the training step (1-based)
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
@@ -334,7 +339,7 @@ def train_step(
         clock.mark("render")
         back = return_grads(routed, rendered, exchange)
         clock.mark("exchange")
-        bp = backprop_owned(projected, back)
+        bp = backprop_owned(projected, back, visible_adam_step > 0)
         clock.mark("backprop")
         finite = all_stepped_finite(projected, rendered, bp)
         clock.mark("adam")
@@ -343,7 +348,7 @@ def train_step(
         if skip:
             stats.skipped = True
             return stats
-        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb)
+        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, visible_adam_step)
         if rendered.losses:
             stats.loss = float(torch.stack(rendered.losses).mean())
             stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))

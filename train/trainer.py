@@ -225,7 +225,7 @@ class Trainer:
             perturb = self.densifier.perturb(
                 step, learning_rates(self.adam, step + 1, self.cfg.steps, self.scene.scene_scale)["means"])
             stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
-                               self.background, self.backend, perturb)
+                               self.background, self.backend, perturb, step + 1 if self.cfg.visible_adam else 0)
         finally:
             self.cache.unpin(needed)
         self.region.update_extents(stats.extents)
