@@ -289,9 +289,10 @@ def ranks(spec: SceneSpec, cfg: BenchConfig, steps: int) -> bool:
     """4 ranks against 1 at the same global batch: bit for bit, and the regions' balance."""
     options = ["--data-factor", str(spec.data_factor), "--seed", str(cfg.seed), "--batch-size", "4",
                "--strategy", "default", *cfg.refine.flags(), "--log-every", str(cfg.log_every)]
-    one = train(spec.data, spec.store, spec.store.parent / "densify-ranks-1", steps, *options, ranks=1)
+    one = train(spec.data, spec.store, spec.store.parent / "densify-ranks-1", steps, *options, ranks=1,
+                keep_store=True)
     four = train(spec.data, spec.store, spec.store.parent / "densify-ranks-4", steps, *options, "--batch-size", "1",
-                 ranks=4)  # (the later --batch-size wins)
+                 ranks=4, keep_store=True)  # (the later --batch-size wins)
     a = Store.open(spec.store.parent / "densify-ranks-1.zarr", mode="r")
     b = Store.open(spec.store.parent / "densify-ranks-4.zarr", mode="r")
     same = a.table.keys() == b.table.keys() and all(

@@ -223,9 +223,11 @@ class TrainRun:
         return np.array([[r[name] for r in lines[warmup:]] for lines in self.ranks], dtype=np.float64)
 
 
-def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: int = 0) -> TrainRun:
-    """`python -m train` on a fresh copy of `store`, a metrics line every step; ranks > 0: under
-    `mpirun -n ranks`, one thread per rank (also with one rank, so ranks are the only parallelism)."""
+def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: int = 0,
+          keep_store: bool = False) -> TrainRun:
+    """`python -m train` on a fresh copy of `store` (OUT.zarr, removed afterwards unless
+    keep_store), a metrics line every step; ranks > 0: under `mpirun -n ranks`, one thread per
+    rank (also with one rank, so ranks are the only parallelism)."""
     shutil.rmtree(out, ignore_errors=True)
     work = fresh_copy(store, out.with_name(out.name + ".zarr"))
     args = python_module("train", "--data", data, "--store", work, "--out", out, "--steps", str(steps),
@@ -244,7 +246,8 @@ def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: 
         lines = [[json.loads(ln) for ln in f.read_text().splitlines()] for f in files]
     except (OSError, ValueError) as e:
         raise BenchError(f"python -m train ({out.name}) left no readable summary or metrics: {e}") from None
-    shutil.rmtree(work)
+    if not keep_store:
+        shutil.rmtree(work)
     return TrainRun(summary, [[r for r in ls if r["kind"] == "train"] for ls in lines], child.max_rss, child.seconds)
 
 
