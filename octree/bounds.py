@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from octree.semantics import RADIUS_SIGMAS
+
 Box = tuple[float, float, float, float, float, float]  # (x0, y0, z0, x1, y1, z1)
 
 EMPTY_BOX: Box = (np.inf, np.inf, np.inf, -np.inf, -np.inf, -np.inf)
@@ -16,9 +18,8 @@ def tight_box(means: np.ndarray) -> Box:  # means [N, 3]
     return tuple(float(v) for v in (*lo, *hi))  # type: ignore[return-value]
 
 
-# gsplat's projection keeps a splat out to min(3.33, sqrt(2 ln(255 o))) sigma, so a 3-sigma box
-# could cull a Gaussian that still colours a pixel; 3.33 keeps culling exact.
-EXTENT_SIGMA = 3.33
+# A box reaches as far as a splat can (`octree.semantics.RADIUS_SIGMAS`), so culling by boxes is exact.
+EXTENT_SIGMA = RADIUS_SIGMAS
 
 
 def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = EXTENT_SIGMA) -> Box:

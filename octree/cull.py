@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from octree.bounds import EXTENT_SIGMA
+from octree.semantics import EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS
 
-# Gaussians beyond this many sigmas have alpha below 1/255 even at opacity 1 (sqrt(2 ln 255)).
-SPLAT_SIGMAS = 3.33
 # Slack in pixels for float32 rounding in the renderer (radii are ceil'ed, so 1 px is exact slack).
 _ROUNDING_PX = 1.05
 
@@ -51,9 +50,9 @@ def frustum_cull(
     K: np.ndarray,  # [3, 3] pinhole intrinsics
     width: int,
     height: int,
-    near: float = 0.01,
-    far: float = 1e10,
-    eps2d: float = 0.3,
+    near: float = NEAR_PLANE,
+    far: float = FAR_PLANE,
+    eps2d: float = EPS2D,
 ) -> np.ndarray:  # [B] bool, True = may contribute to the image
     """Which blocks may hold a Gaussian that projects to a splat in the image (never a false False).
 
@@ -79,8 +78,8 @@ def frustum_cull(
     depth_min = -box_max(np.array([[0.0, 0.0, -1.0]]))[:, 0]
     keep = valid & (depth_max > near) & (depth_min < far)
 
-    pad_px = SPLAT_SIGMAS * np.sqrt(eps2d) + _ROUNDING_PX
+    pad_px = RADIUS_SIGMAS * np.sqrt(eps2d) + _ROUNDING_PX
     normals, focal = _edge_planes(K, width, height, pad_px)
-    reach = SPLAT_SIGMAS * focal - EXTENT_SIGMA * np.abs(normals @ R).sum(axis=1)  # [4]
+    reach = RADIUS_SIGMAS * focal - EXTENT_SIGMA * np.abs(normals @ R).sum(axis=1)  # [4]
     keep &= (box_max(normals) >= -max_scale[:, None] * np.maximum(reach, 0.0)[None, :]).all(axis=1)
     return keep

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,8 +34,9 @@ from storage.errors import (
     CacheBudgetError,
     CommitProtocolError,
     StoreError,
+    StoreWriteError,
 )
-from storage.schema import bytes_per_gaussian
+from storage.schema import PARAM_NAMES, block_schema, bytes_per_gaussian
 from storage.store import Store
 from storage.table import BlockInfo, check_key, parse_box
 
@@ -149,7 +151,8 @@ class _Done:
 class BlockCache:
     """Blocks of `store` as tensors on `device`, within `budget_bytes` (device tier) and
     `host_budget_bytes` (pinned host tier; on CUDA it defaults to budget_bytes, on CPU there is
-    none unless it is given)."""
+    none unless it is given). params_only: blocks hold only the Gaussian parameters (a reader
+    such as the viewer has no use for Adam state, two thirds of a block); such a cache never writes."""
 
     def __init__(
         self,
@@ -158,6 +161,7 @@ class BlockCache:
         device: str | torch.device = "cpu",
         host_budget_bytes: int | None = None,
         workers: int = 2,
+        params_only: bool = False,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -168,7 +172,8 @@ class BlockCache:
         if self.device.type == "cuda" or host_budget_bytes is not None:
             # On CPU a second tier is the same memory; it exists there so the tiering can be tested.
             self._tiers.append(_Tier(torch.device("cpu"), budget_bytes if host_budget_bytes is None else host_budget_bytes))
-        self._bytes_per_row = bytes_per_gaussian(store.sh_degree)
+        self.params_only = params_only
+        self._bytes_per_row = param_bytes_per_gaussian(store.sh_degree) if params_only else bytes_per_gaussian(store.sh_degree)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="block-io")
         self._loads: dict[str, _InFlight] = {}
         self._writes: dict[str, _InFlight] = {}
@@ -265,6 +270,7 @@ class BlockCache:
         pins); it is dirty. An empty block is dropped instead (returns None): empty blocks are
         not stored."""
         where = f"cache of store {self.store.name}, block {key}"
+        self._check_full(where)
         check_key(key, where)
         cell = parse_box(cell, f"{where}: cell box", BlockDataError)
         if check_arrays(tensors, self.store.schema, where, array_type=Tensor) == 0:
@@ -303,6 +309,7 @@ class BlockCache:
         block = self._tiers[0].blocks.get(key)
         if block is None:
             raise BlockNotFoundError(f"cache of store {self.store.name}: block {key} is not on the device")
+        self._check_full(f"cache of store {self.store.name}, block {key}")
         block.dirty = True
 
     def flush(self) -> tuple[dict[str, BlockInfo], list[str]]:
@@ -366,7 +373,7 @@ class BlockCache:
 
     def _load(self, info: BlockInfo) -> _Done:
         start = time.perf_counter()
-        arrays = self.store.read_block(info.key, info)
+        arrays = (self.store.read_params if self.params_only else self.store.read_block)(info.key, info)
         tensors = {name: torch.from_numpy(a) for name, a in arrays.items()}
         if self.device.type == "cuda":
             # A side stream, synchronised before handing over, so the copy overlaps compute
@@ -420,23 +427,30 @@ class BlockCache:
         return block
 
     def _make_room(self, tier: _Tier, nbytes: int, key: str, demand: bool = True) -> bool:
-        """Evict until nbytes fit. A demand (get/put) may also discard unclaimed prefetches and
-        wait for write-backs; a prefetch only evicts, and reports False if that is not enough."""
+        """Evict until nbytes fit once the write-backs in flight have landed. A demand (get/put)
+        then waits for them, and may also discard unclaimed prefetches; a prefetch only evicts,
+        and reports False if the bytes are not free now."""
         if nbytes > tier.budget:
             raise CacheBudgetError(
                 f"cache of store {self.store.name}: block {key} needs {nbytes} B, more than the "
                 f"{tier.device.type} budget of {tier.budget} B"
             )
         while tier.free < nbytes:
-            victim = tier.lru_unpinned()
+            # The bytes of evicted blocks still being written count as free here: they will be, and
+            # counting them so makes the choice of victims a function of the calls alone. Counted as
+            # taken, a write that had not landed yet cost one more eviction (and write-back) than a
+            # fast one, so what the cache wrote depended on the write-back threads' timing.
+            landing = [p for p in self._writes.values() if p.tier is tier and p.reserved]
+            enough_landing = tier.free + sum(p.reserved for p in landing) >= nbytes
+            victim = None if enough_landing else tier.lru_unpinned()
             if victim is not None:
                 self._evict(victim, tier)
             elif not demand:
                 return False
-            elif tier is self._tiers[0] and self._loads:
+            elif tier is self._tiers[0] and self._loads and not enough_landing:
                 self._discard_load(next(iter(self._loads)))
-            elif any(p.tier is tier and p.reserved for p in self._writes.values()):
-                self._wait(next(p.future for p in self._writes.values() if p.tier is tier and p.reserved))
+            elif landing:
+                self._wait(landing[0].future)
                 self._harvest_writes()
             else:
                 raise CacheBudgetError(
@@ -494,6 +508,10 @@ class BlockCache:
             waits.append(p.future)
         return waits
 
+    def _check_full(self, where: str) -> None:
+        if self.params_only:
+            raise StoreError(f"{where}: a params-only cache holds no optimizer state, so it never writes")
+
     def _check_unsealed(self, key: str) -> None:
         if self._sealed and self.store.head == self._sealed_head:
             raise CommitProtocolError(
@@ -516,8 +534,12 @@ class BlockCache:
             pending = self._writes.pop(key)
             pending.tier.reserved -= pending.reserved
             assert pending.block is not None
-            if pending.future.exception() is not None:
+            error = pending.future.exception()
+            if error is not None:
                 pending.block.dirty = True
+                if isinstance(error, OSError):  # a full disk, a lost mount: name what it hit
+                    raise StoreWriteError(self.store.name, f"block {key}", error, self.store.head,
+                                          self.store.state.get("step")) from error
             done: _Done = pending.future.result()
             assert done.info is not None
             pending.block.info = done.info
@@ -555,6 +577,12 @@ class BlockCache:
             return future.result()
         finally:
             self.stats.io_wait_s += time.perf_counter() - start
+
+
+def param_bytes_per_gaussian(sh_degree: int) -> int:
+    """Bytes of one Gaussian's parameters (all float32)."""
+    schema = block_schema(sh_degree)
+    return sum(int(np.prod(schema[n][0], dtype=np.int64)) * schema[n][1].itemsize for n in PARAM_NAMES)
 
 
 def _run_now(fn: Callable[..., _Done], *args: Any) -> Future:

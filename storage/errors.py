@@ -47,3 +47,16 @@ class CommitProtocolError(StoreError):
 
 class CacheBudgetError(StoreError):
     """The cache cannot hold what it is asked to hold without evicting pinned blocks."""
+
+
+class StoreWriteError(StoreError):
+    """The system refused a write (a full disk, a lost mount). Writes only add what no commit names
+    yet, so the last commit is intact; the message says which one, and what was being written."""
+
+    def __init__(self, store: str, what: str, error: OSError, head: int | None, step: object) -> None:
+        text = error.strerror or str(error)
+        if head is None:
+            kept = "nothing was committed yet"
+        else:
+            kept = f"the last commit, {f'step {step}' if step is not None else f'generation {head}'}, is intact"
+        super().__init__(f"store {store}: {text[:1].lower() + text[1:]} while writing {what} ({kept})")

@@ -27,6 +27,7 @@ from zarr.core.sync import sync
 
 from octree.bounds import Box, extent_box, tight_box
 from octree.keys import BlockKeyError, parse_key
+from octree.semantics import MAX_SH_DEGREE
 from storage.backend import PARTIAL_SUFFIX, Backend, group_doc, open_backend
 from storage.blockio import Schema, check_arrays, check_version, read_version, write_version
 from storage.codec import CodecConfig
@@ -38,13 +39,13 @@ from storage.errors import (
     StoreError,
     StoreExistsError,
     StoreFormatError,
+    StoreWriteError,
 )
 from storage.packing import layout_json, pack, pack_layout, pack_shapes, packs_for, unpack
 from storage.schema import PARAM_NAMES, block_schema
 from storage.table import BlockInfo, Commit, check_key, check_state, parse_box
 
 FORMAT_VERSION = 2  # 2: a block version is 3 packed arrays (1: one array per logical array)
-MAX_SH_DEGREE = 4  # gsplat's limit
 RESERVED_ATTRS = ("format_version", "codec", "head", "layout")
 Verify = Literal["table", "blocks", "data"]
 
@@ -258,9 +259,12 @@ class Store:
         self._check_versions([info for info in updated.values() if info.version == generation], where)
         self.sync_written()
         commit = Commit(generation, table, check_state(self.state if state is None else state))
-        self._backend.put_json(f"commits/{generation}/zarr.json", commit.to_doc())
-        # The commit point: one atomic replace of the root document.
-        self._backend.put_json("zarr.json", group_doc({**self.attrs, "head": generation}))
+        try:
+            self._backend.put_json(f"commits/{generation}/zarr.json", commit.to_doc())
+            # The commit point: one atomic replace of the root document.
+            self._backend.put_json("zarr.json", group_doc({**self.attrs, "head": generation}))
+        except OSError as e:
+            raise StoreWriteError(self.name, f"commit {generation}", e, self.head, self.state.get("step")) from e
         self._set_commit(commit)
         self.collect_garbage(upto=generation)
         return generation

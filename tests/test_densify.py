@@ -165,10 +165,12 @@ def test_bad_settings_are_refused_by_name(bad, match):
         DensifyConfig(**bad)
 
 
-def test_statistics_are_gsplat_densification_state(shared_data):
+@pytest.mark.parametrize("absgrad", [False, True])
+def test_statistics_are_gsplat_densification_state(shared_data, absgrad):
     """One step's statistics from a real render (garden, two cameras of a batch): the sums of
-    normalised 2D gradient norms, the visible counts and the largest radii equal what gsplat's
-    DefaultStrategy gathers from the same projection in packed mode."""
+    normalised 2D gradient norms (with absgrad: of the summed absolute per-pixel gradients), the
+    visible counts and the largest radii equal what gsplat's DefaultStrategy gathers from the same
+    projection in packed mode."""
     from train.camera import Camera
     from train.losses import photometric_loss
     from train.render import pack_grads, project, rasterize
@@ -182,7 +184,7 @@ def test_statistics_are_gsplat_densification_state(shared_data):
     splats = {"means": pts, "scales": torch.full((n, 3), -3.5) + 0.3 * torch.randn(n, 3, generator=g),
               "quats": torch.randn(n, 4, generator=g), "opacities": torch.randn(n, generator=g),
               "sh0": torch.randn(n, 1, 3, generator=g) * 0.5, "shN": torch.zeros(n, 0, 3)}
-    ref = DefaultStrategy(refine_scale2d_stop_iter=1)
+    ref = DefaultStrategy(refine_scale2d_stop_iter=1, absgrad=absgrad)
     state = ref.initialize_state(SCENE_SCALE)
     params = {k: torch.nn.Parameter(v.clone()) for k, v in splats.items()}
     ours = empty_stats(n)
@@ -191,14 +193,17 @@ def test_statistics_are_gsplat_densification_state(shared_data):
         camera = Camera(garden["viewmats"][c], garden["Ks"][c] / 2 * np.array([1, 1, 2])[:, None], width, height)
         s = project(splats, camera, 0)
         leaf = Splats2D.unpack(s.pack(), ids=s.ids)
-        out = rasterize(leaf, camera)
+        out = rasterize(leaf, camera, absgrad=absgrad)
         (photometric_loss(out.rgb, torch.full_like(out.rgb, 0.3)) / 2).backward()
-        grads = pack_grads(leaf)
+        grads = out.absgrad() if absgrad else pack_grads(leaf)
         accumulate_stats(ours, s.ids, s.radii, grads, camera, 2)
         means2d = grads[:, :2].clone()
         info = {"means2d": torch.zeros(len(s), 2, requires_grad=True), "radii": s.radii, "gaussian_ids": s.ids,
                 "width": width, "height": height, "n_cameras": 2}
-        info["means2d"].grad = means2d
+        if absgrad:  # what gsplat's rasterize_to_pixels(absgrad=True) leaves on means2d
+            info["means2d"].absgrad = means2d
+        else:
+            info["means2d"].grad = means2d
         ref._update_state(params, state, info, packed=True)
     assert (ours["count"] > 0).sum() > 5000 and (ours["count"] == 2).sum() > 1000
     np.testing.assert_array_equal(ours["count"], state["count"].numpy())

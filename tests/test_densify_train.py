@@ -95,6 +95,25 @@ def test_paging_and_resuming_are_invisible_with_densification(wall, tmp_path):
     check_layout(Store.open(full, mode="r"), 400)
 
 
+def test_dense_adam_is_invisible_to_paging_and_resuming_and_brings_every_row_up_to_date(wall, tmp_path):
+    """`--adam dense`: steps put off while a block is not used are taken when it is, so a quarter
+    cache and a resume just before a refinement give the in-memory run's blocks bit for bit, and
+    at the end every row has taken every step (the default optimizer counts each row's own)."""
+    data, tiled = wall
+    schedule = {**SCHEDULE, "reset_every": 1000}
+    full, small, resumed = (_copy(tiled, tmp_path, n) for n in ("full.zarr", "small.zarr", "resumed.zarr"))
+    a = run(_config(data, full, tmp_path / "a", schedule, cache_mb=1024, adam="dense"))
+    quarter = a["gaussians"] * bytes_per_gaussian(3) / 4 / 2**20
+    b = run(_config(data, small, tmp_path / "b", schedule, cache_mb=quarter, adam="dense"))
+    assert b["bytes_read"] > 3 * a["bytes_read"], "the small cache must have paged"
+    run(_config(data, resumed, tmp_path / "c1", schedule, cache_mb=1024, stop_at=30, adam="dense"))
+    run(_config(data, resumed, tmp_path / "c2", schedule, cache_mb=1024, resume=True, adam="dense"))
+    _same_blocks(full, small)
+    _same_blocks(full, resumed)
+    s = Store.open(full, mode="r")
+    assert {int(x) for k in s.table for x in s.read_block(k)["adam_step"]} == {40}
+
+
 def test_a_refinement_the_cache_cannot_hold_fails_clearly_and_keeps_the_commit(wall, tmp_path):
     data, tiled = wall
     store = _copy(tiled, tmp_path, "tight.zarr")
@@ -114,6 +133,7 @@ def _digest(path: Path) -> str:
 
 
 @pytest.mark.parametrize("flags,message", [
+    (["--adam", "lazy"], "--adam 'lazy': choose from contributed, visible, dense"),
     (["--strategy", "adc"], "--strategy 'adc': choose from default, mcmc, none"),
     (["--grow-grad2d", "nan"], "--grow-grad2d nan: must be a finite number >= 0"),
     (["--prune-opa", "-0.1"], "--prune-opa -0.1: must be a finite number >= 0"),

@@ -160,11 +160,14 @@ DENSIFY = ["--refine-start-iter", "10", "--refine-every", "10", "--reset-every",
     (600, 600, (1, 2, 4), ["--strategy", "default"]),
     (100, 2000, (1, 4), ["--strategy", "default"]),
     (600, 600, (1, 2), ["--strategy", "mcmc", "--cap-max", "14000"]),
-], ids=["split", "merge", "mcmc"])
+    (600, 600, (1, 2), ["--strategy", "default", "--adam", "dense", "--absgrad", "--grow-grad2d", "0.0008"]),
+], ids=["split", "merge", "mcmc", "dense-absgrad"])
 def test_densification_is_the_same_on_one_two_and_four_ranks(shared_data, tmp_path, tiled, cap, ranks, strategy):
     """Refinements with Gaussians moving between blocks of different ranks, blocks splitting (or,
     with a high cap over small blocks, siblings merging) and a rebalance after every refinement
-    (--rebalance-above 1): every rank count gives the same blocks, bit for bit. The run ends with
+    (--rebalance-above 1): every rank count gives the same blocks, bit for bit; so do dense Adam
+    (steps of unseen blocks put off to their next use) and absgrad (summed on the rendering rank,
+    returned with the gradients). The run ends with
     the refinement of step 40, after which every Gaussian lies in its block's cell."""
     base = tmp_path / "lund.zarr"
     assert tile_main([str(shared_data / "lund_door"), "--out", str(base), "--max-per-block", str(tiled)]) == 0

@@ -7,7 +7,7 @@ import torch
 
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
 from train.assign import assign_cameras
-from train.optim import AdamConfig, SparseAdam, learning_rates, numpy_arrays, sparse_adam_step
+from train.optim import AdamConfig, LazyDense, SparseAdam, learning_rates, numpy_arrays, sparse_adam_step
 from train.schedule import Schedule, locality_order, step_cameras
 
 
@@ -139,7 +139,7 @@ def test_locality_order_is_a_nearest_neighbour_chain():
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_global_step_bias_correction_is_torch_adam_on_the_selected_rows(compiled):
-    """`--visible-adam`: rows selected on some steps only, bias-corrected by the training step,
+    """`--adam visible`: rows selected on some steps only, bias-corrected by the training step,
     equal torch's Adam whose unselected rows (parameters and moments) are put back after each
     step, which is what gsplat's SelectiveAdam does."""
     cfg = AdamConfig()
@@ -167,3 +167,62 @@ def test_global_step_bias_correction_is_torch_adam_on_the_selected_rows(compiled
                     opt.state[ref[n]][k][~mask] = v
     for n in PARAM_NAMES:
         torch.testing.assert_close(block[n], ref[n].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_dense_adam_put_off_equals_every_row_every_step_and_torch_adam(compiled):
+    """`--adam dense`: blocks paged on some steps only, each brought up to date (`LazyDense`)
+    before it steps with its gradient (zero on its rows without one), then all of them at the
+    end, equal every row stepping every step, bit for bit, and torch's Adam with a decaying lr."""
+    cfg, steps = AdamConfig(), 12
+    lazy = LazyDense(cfg, steps, scene_scale=2.0)
+    blocks = [_block(5, seed=s) for s in range(3)]
+    everyone = [{k: v.clone() for k, v in b.items()} for b in blocks]
+    ref = [{n: b[n].clone().requires_grad_(True) for n in PARAM_NAMES} for b in blocks]
+    opts = [torch.optim.Adam([{"params": [r[n]], "lr": lrs_n, "name": n}
+                              for n, lrs_n in learning_rates(cfg, 0, steps, 2.0).items()], betas=cfg.betas, eps=cfg.eps)
+            for r in ref]
+    g = torch.Generator().manual_seed(5)
+    for step in range(1, steps + 1):
+        lrs = learning_rates(cfg, step - 1, steps, 2.0)
+        paged = torch.rand(3, generator=g) < 0.4
+        paged[0] = step in (2, 3, 9)  # block 0 waits 6 steps between its pages
+        for b in range(3):
+            has = (torch.rand(5, generator=g) < 0.6) & paged[b]  # a block not paged has no gradient
+            grads = {n: torch.randn(blocks[b][n].shape, generator=g) * has.view(-1, *[1] * (blocks[b][n].dim() - 1))
+                     for n in PARAM_NAMES}
+            every_row = torch.ones(5, dtype=torch.bool)
+            SparseAdam(grads, every_row, lrs, cfg, global_step=step).step(
+                everyone[b], 0, numpy_arrays(everyone[b]) if compiled else None)
+            if paged[b]:
+                arrays = numpy_arrays(blocks[b]) if compiled else None
+                lazy.catch_up(blocks[b], step - 1, arrays)
+                SparseAdam(grads, every_row, lrs, cfg, global_step=step).step(blocks[b], 0, arrays)
+            for n in PARAM_NAMES:
+                ref[b][n].grad = grads[n].clone()
+                for group in opts[b].param_groups:
+                    group["lr"] = lrs[group["name"]]
+            opts[b].step()
+    for b in range(3):
+        assert lazy.catch_up(blocks[b], steps, numpy_arrays(blocks[b]) if compiled else None) > 0 or b != 0
+        assert lazy.catch_up(blocks[b], steps, numpy_arrays(blocks[b]) if compiled else None) == 0  # up to date
+        for k in blocks[b]:
+            assert torch.equal(blocks[b][k], everyone[b][k]), (b, k)
+        for n in PARAM_NAMES:
+            torch.testing.assert_close(blocks[b][n], ref[b][n].detach(), rtol=1e-5, atol=1e-6)
+        assert blocks[b]["adam_step"].tolist() == [steps] * 5
+
+
+def test_dense_adam_leaves_rows_without_moments_as_they_are():
+    """A new row (zero moments, as gsplat's duplicate and split give) costs nothing to bring up
+    to date and does not move."""
+    cfg = AdamConfig()
+    lazy = LazyDense(cfg, 5000, scene_scale=1.0)
+    block = _block(3)
+    before = {k: v.clone() for k, v in block.items()}
+    assert lazy.catch_up(block, 4000, numpy_arrays(block)) == 3
+    for k in PARAM_NAMES:
+        assert torch.equal(block[k], before[k])
+    assert block["adam_step"].tolist() == [4000] * 3
+    with pytest.raises(ValueError, match="past the run"):
+        lazy.catch_up(block, 5001)

@@ -163,6 +163,33 @@ def test_city_scene(tmp_path):
     assert len(scene.points) == info.points == round(0.4 * info.gaussians)
 
 
+def test_object_scene_is_enclosed_by_its_cameras(tmp_path):
+    """What the object scene is for: the box the loader draws random points in (around the camera
+    centres) holds the whole object, and every camera sees all of it."""
+    out = tmp_path / "object"
+    info = make_scene("object", out, SceneConfig(cameras=8, width=64, height=48, gaussians=4000))
+    (out / "transforms.json").write_text(
+        re.sub(r'"ply_file_path": "[^"]*",\s*', "", (out / "transforms.json").read_text()))
+    scene = load_scene(out, DataConfig(normalize=False, random_points=2000))
+    assert scene.random_points
+    with np.load(out / GROUND_TRUTH) as gt:
+        means, quats, scales = gt["means"], gt["quats"], gt["scales"]
+    lo, hi = scene.points.min(axis=0), scene.points.max(axis=0)
+    assert ((means > lo) & (means < hi)).all()
+    assert info.visible.min() > 0.97
+    # Flat Gaussians lie on their surface: the thin axis is the cube face's or the ball's normal.
+    w, x, y, z = quats.T.astype(np.float64)
+    thin = np.column_stack([2 * (x * z + w * y), 2 * (y * z - w * x), 1 - 2 * (x * x + y * y)])  # R @ e_z
+    assert (scales[:, 2] < scales[:, 0]).all()
+    on_cube = np.abs(means).max(axis=1) <= 1.0 + 1e-5
+    face = np.argmax(np.abs(means[on_cube]), axis=1)
+    expected = np.zeros((on_cube.sum(), 3))
+    expected[np.arange(len(face)), face] = np.sign(means[on_cube][np.arange(len(face)), face])
+    np.testing.assert_allclose(thin[on_cube], expected, atol=1e-5)
+    ball = means[~on_cube] - [0.0, 0.0, 1.7]
+    np.testing.assert_allclose(thin[~on_cube], ball / np.linalg.norm(ball, axis=1, keepdims=True), atol=1e-5)
+
+
 def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from octree.keys import parse_key
 from storage import Store, StoreError
 from tools.frames import transform_gaussians
+from tools.leftovers import LeftoverWarning
 from tools.ply import CompressedPlyWriter, GaussianPlyWriter, PlyError
 
 
@@ -44,10 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="coordinates of the input that was tiled (default) or the store's normalised frame")
     args = parser.parse_args(argv)
     try:
-        n = export(args.store, args.out, args.format, args.frame)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LeftoverWarning)
+            n = export(args.store, args.out, args.format, args.frame)
     except (StoreError, PlyError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for w in caught:  # one line each, as errors are
+        print(f"warning: {w.message}", file=sys.stderr)
     print(f"wrote {n:,} Gaussians to {args.out} ({args.format}, {args.frame} frame)")
     return 0
 

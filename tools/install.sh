@@ -15,6 +15,17 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libusb-1.0.so.0'; then
     fi
 fi
 
+# The viewer's browser tests drive Debian's chromium headless (Playwright never downloads a browser here).
+if ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+        { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null; } \
+            || echo "warning: chromium could not be installed; the viewer's browser tests will skip" >&2
+    else
+        echo "warning: chromium not found; the viewer's browser tests will skip" >&2
+    fi
+fi
+
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

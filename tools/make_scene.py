@@ -1,4 +1,4 @@
-"""python -m tools.make_scene {wall,city} OUT [options]: render a generated scene as a nerfstudio dataset."""
+"""python -m tools.make_scene {wall,city,object} OUT [options]: render a generated scene as a nerfstudio dataset."""
 from __future__ import annotations
 
 import argparse
@@ -16,13 +16,14 @@ def _parser() -> argparse.ArgumentParser:
         "with the CPU renderer, points3d.ply (a noisy subsample of the ground truth) and ground_truth.npz.",
     )
     p.add_argument("kind", choices=KINDS, help="wall: a 40 m facade seen by a row of cameras (tests, demos); "
-                   "city: a 2 x 2-block street-level city (benchmarks)")
+                   "city: a 2 x 2-block street-level city (benchmarks); object: a cube and a ball seen from all "
+                   "around (training from random points)")
     p.add_argument("out", help="dataset folder to create")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same files")
-    p.add_argument("--width", type=int, help="image width (wall 160, city 320)")
-    p.add_argument("--height", type=int, help="image height (wall 120, city 180)")
-    p.add_argument("--cameras", type=int, help="number of cameras (wall 24, city 64)")
-    p.add_argument("--gaussians", type=int, help="ground-truth Gaussians (wall 30000, city about 125000)")
+    p.add_argument("--width", type=int, help="image width (wall and object 160, city 320)")
+    p.add_argument("--height", type=int, help="image height (wall and object 120, city 180)")
+    p.add_argument("--cameras", type=int, help="number of cameras (wall 24, object 32, city 64)")
+    p.add_argument("--gaussians", type=int, help="ground-truth Gaussians (wall and object 30000, city about 125000)")
     p.add_argument("--sh-degree", type=int, default=SceneConfig.sh_degree, help="SH degree of the ground truth")
     p.add_argument("--wall-length", type=float, default=SceneConfig.wall_length,
                    help="wall: length in metres; each camera sees about 7 m of it")

@@ -8,6 +8,10 @@ scene, so a block cache smaller than the scene pages and rank regions exchange o
 - `wall`: a 60 m x 4 m textured facade with a ground strip, seen by a row of cameras 5-6 m away;
   small and fast, for tests and demos.
 - `city`: `tools.city.generate_city` with 2 x 2 city blocks and its street-level cameras; for benchmarks.
+- `object`: a 2 m brick cube with a ball on top, seen from all around by cameras on a sphere
+  8 m away; the one scene here whose cameras enclose it, so a tiler's random initial points
+  (drawn in the box around the cameras, `tools.tile --init-random`) surround it as they would a
+  NeRF-synthetic object: for training from no point cloud. (Not every camera sees a small part.)
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from train.camera import Camera
 from train.render import render
 from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
 
-KINDS = ("wall", "city")
+KINDS = ("wall", "city", "object")
 GROUND_TRUTH = "ground_truth.npz"
 POINTS = "points3d.ply"
 _OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flips the camera's y and z axes; its own inverse
@@ -53,6 +57,14 @@ _THIN = 0.1  # normal sigma relative to the in-plane sigma: the Gaussians lie fl
 _FACING_WALL = np.array([np.sqrt(0.5), np.sqrt(0.5), 0.0, 0.0])  # wxyz, a quarter turn about x: +z to -y
 _FACING_UP = np.array([1.0, 0.0, 0.0, 0.0])
 _CITY_COVERAGE = 0.5  # share of a city camera's image (in coarse cells) the city must fill
+# The object scene (metres, z up): a cube of side _CUBE centred at the origin and a ball of radius
+# _BALL resting on it; the cameras stand on a sphere of radius _ORBIT around the origin, from
+# _ELEVATION[0] to _ELEVATION[1] degrees, so the box around them holds the object with room to spare.
+_CUBE = 2.0
+_BALL = 0.7
+_ORBIT = 8.0
+_ELEVATION = (-35.0, 50.0)
+_OBJECT_FOV_X = 40.0  # the object fills about half of the image's width
 
 
 class SceneError(ValueError):
@@ -120,7 +132,8 @@ class SceneConfig:
         """This config with the kind's defaults filled in."""
         if kind not in KINDS:
             raise SceneError(f"unknown scene kind {kind!r} (choose from {', '.join(KINDS)})")
-        width, height, cameras, gaussians = {"wall": (160, 120, 24, 30_000), "city": (320, 180, 64, None)}[kind]
+        width, height, cameras, gaussians = {"wall": (160, 120, 24, 30_000), "city": (320, 180, 64, None),
+                                             "object": (160, 120, 32, 30_000)}[kind]
         return replace(self, width=self.width or width, height=self.height or height,
                        cameras=self.cameras or cameras, gaussians=self.gaussians or gaussians)
 
@@ -172,6 +185,8 @@ def build_scene(kind: str, cfg: SceneConfig = SceneConfig()) -> GroundTruth:
     rng = np.random.default_rng(cfg.seed)
     if kind == "wall":
         splats, cameras = _wall_gaussians(cfg, rng), _wall_cameras(cfg, rng)
+    elif kind == "object":
+        splats, cameras = _object_gaussians(cfg, rng), _object_cameras(cfg, rng)
     else:
         splats, cameras = _city(cfg)
     n = len(splats["means"])
@@ -289,6 +304,64 @@ def _wall_cameras(cfg: SceneConfig, rng: np.random.Generator) -> list[Camera]:
     forward = np.column_stack([np.cos(pitch) * np.cos(yaw), np.cos(pitch) * np.sin(yaw), np.sin(pitch)])
     K = pinhole_K(cfg.width, cfg.height, _WALL_FOV_X)
     return [Camera(look_at(eye[i], eye[i] + forward[i]), K, cfg.width, cfg.height) for i in range(n)]
+
+
+def _object_gaussians(cfg: SceneConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Flat Gaussians on the cube's six faces (the facade's bricks and windows on the sides, a
+    rainbow on the top and bottom) and on the ball (colour bands by latitude and longitude), in
+    proportion to the areas."""
+    h = _CUBE / 2.0
+    cube_area, ball_area = 6 * _CUBE**2, 4 * np.pi * _BALL**2
+    n = cfg.gaussians
+    n_cube = int(round(n * cube_area / (cube_area + ball_area)))
+    face = rng.integers(0, 6, n_cube)  # 0..3 the sides (+x, +y, -x, -y), 4 the top, 5 the bottom
+    u, v = rng.uniform(-h, h, n_cube), rng.uniform(-h, h, n_cube)
+    normal = np.array([[1, 0, 0], [0, 1, 0], [-1, 0, 0], [0, -1, 0], [0, 0, 1], [0, 0, -1]], float)[face]
+    across = np.array([[0, 1, 0], [-1, 0, 0], [0, -1, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]], float)[face]
+    up = np.cross(normal, across)
+    cube = h * normal + u[:, None] * across + v[:, None] * up
+    side = face < 4
+    # Along the sides u runs once round the cube (8 m), so the bricks continue from face to face.
+    colors = np.where(side[:, None], _facade_colors(face * _CUBE + u + h, v + h, 4 * _CUBE),
+                      _palette((u + v) / _CUBE) * 0.8)
+    z_axis = rng.standard_normal((n - n_cube, 3))
+    z_axis /= np.linalg.norm(z_axis, axis=1, keepdims=True)
+    ball = z_axis * _BALL + [0.0, 0.0, h + _BALL]
+    lat, lon = np.arcsin(z_axis[:, 2]), np.arctan2(z_axis[:, 1], z_axis[:, 0])
+    ball_colors = _palette(lon / (2 * np.pi)) * np.where(np.floor(lat / 0.3) % 2 == 0, 1.0, 0.55)[:, None]
+    colors = np.clip(np.concatenate([colors, ball_colors]) + rng.normal(0.0, 0.03, (n, 3)), 0.0, 1.0)
+    normals = np.concatenate([normal, z_axis])
+    spacing = 1.0 / np.sqrt(n / (cube_area + ball_area))
+    sigma = _OVERLAP * spacing * np.exp(rng.normal(0.0, 0.2, (n, 1)))
+    return {
+        "means": np.concatenate([cube, ball]).astype(np.float32),
+        "scales": np.log(sigma * [1.0, 1.0, _THIN]).astype(np.float32),
+        "quats": _quat_to_normal(normals).astype(np.float32),
+        "opacities": rng.normal(2.5, 0.7, n).astype(np.float32),
+        "sh0": ((colors - 0.5) / SH_C0)[:, None, :].astype(np.float32),
+    }
+
+
+def _quat_to_normal(normals: np.ndarray) -> np.ndarray:  # [N, 3] unit -> [N, 4] wxyz
+    """The shortest rotation taking +z (a flat Gaussian's thin axis) onto each normal."""
+    w = 1.0 + normals[:, 2]
+    q = np.column_stack([w, -normals[:, 1], normals[:, 0], np.zeros(len(normals))])
+    flipped = w < 1e-9  # the normal is -z: half a turn about x
+    q[flipped] = (0.0, 1.0, 0.0, 0.0)
+    return q / np.linalg.norm(q, axis=1, keepdims=True)
+
+
+def _object_cameras(cfg: SceneConfig, rng: np.random.Generator) -> list[Camera]:
+    """Round the object in azimuth (in sequence, so held-out cameras stand between training
+    ones), each at a random elevation, looking at a jittered point near its middle."""
+    n = cfg.cameras
+    azimuth = np.linspace(0.0, 2 * np.pi, n, endpoint=False) + rng.uniform(-0.05, 0.05, n)
+    elevation = np.radians(rng.uniform(*_ELEVATION, n))
+    eye = _ORBIT * np.column_stack([np.cos(elevation) * np.cos(azimuth), np.cos(elevation) * np.sin(azimuth),
+                                    np.sin(elevation)])
+    target = rng.normal(0.0, 0.15, (n, 3)) + [0.0, 0.0, _BALL / 2]
+    K = pinhole_K(cfg.width, cfg.height, _OBJECT_FOV_X)
+    return [Camera(look_at(eye[i], target[i]), K, cfg.width, cfg.height) for i in range(n)]
 
 
 def _city(cfg: SceneConfig) -> tuple[dict[str, np.ndarray], list[Camera]]:

@@ -11,10 +11,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from storage import StoreError
 from train.config import ConfigError, parse_config
 from train.data import DatasetError
+from train.render import RenderError
 from train.render.cpu.compiled import ensure_compiled
 from train.trainer import TrainError, run
 
-_EXPECTED = (TrainError, DatasetError, StoreError)
+# OSError: a full disk or a lost mount outside the store's own writes (logs, renders, a commit
+# document); its message names the file, and the store keeps its last commit.
+_EXPECTED = (TrainError, DatasetError, StoreError, RenderError, OSError)
+_INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
 def launched_ranks() -> int:
@@ -45,8 +49,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted: the store keeps its last commit", file=sys.stderr)
-        return 130
+        return _INTERRUPTED
     print(json.dumps(summary, indent=2))
+    return _exit_code(summary)
+
+
+def _exit_code(summary: dict, report: bool = True) -> int:
+    """130 after a Ctrl-C that stopped the run early, even though it committed cleanly: a chain
+    such as `train && export` must not take a run cut short for a finished one."""
+    if summary["stopped_by_signal"]:
+        if report:
+            print(f"interrupted: stopped at step {summary['steps']} after a clean commit (--resume continues)",
+                  file=sys.stderr)
+        return _INTERRUPTED
     return 0
 
 
@@ -71,11 +86,11 @@ def _main_mpi(cfg) -> int:
 
             traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
-        comm.Abort(130 if isinstance(e, KeyboardInterrupt) else 1)
+        comm.Abort(_INTERRUPTED if isinstance(e, KeyboardInterrupt) else 1)
         return 1
     if comm.Get_rank() == 0:
         print(json.dumps(summary, indent=2))
-    return 0
+    return _exit_code(summary, report=comm.Get_rank() == 0)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ import math
 import typing
 from dataclasses import dataclass, field
 
+from octree.semantics import MAX_SH_DEGREE
 from train.densify.config import ConfigError, DensifyConfig
+from train.optim import ADAM_MODES
 
 __all__ = ["ConfigError", "TrainConfig", "build_parser", "parse_config"]
 
@@ -38,7 +40,8 @@ class TrainConfig:
     background: tuple[float, float, float] = (0.0, 0.0, 0.0)
     max_eval_images: int = 0  # evaluate at most this many held-out views (0: all)
     progress: bool = True  # show a progress bar on rank 0
-    visible_adam: bool = False  # gsplat's visible_adam: Adam steps every Gaussian a camera of the step projected, bias-corrected by the training step (gsplat's SelectiveAdam); default: only Gaussians that reached a pixel, by their own step count, so hidden Gaussians stay untouched
+    allow_external_images: bool = False  # follow image paths that lead out of the dataset (transforms.json file_path, COLMAP image names): absolute, or climbing out with '..'
+    adam: str = "contributed"  # which Gaussians Adam steps: contributed (those that reached a pixel, bias-corrected by their own step count; hidden ones stay untouched), visible (every one a camera of the step projected, bias-corrected by the training step: gsplat's visible_adam), dense (every one, every step, as torch's Adam in gsplat's default; the steps of unseen ones are taken when they are next used)
     densify: DensifyConfig = field(default_factory=DensifyConfig)
 
     def __post_init__(self) -> None:
@@ -48,10 +51,12 @@ class TrainConfig:
         for name, lo in at_least.items():
             if getattr(self, name) < lo:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least {lo}")
-        if self.sh_degree is not None and self.sh_degree < 0:
-            raise ConfigError(f"--sh-degree {self.sh_degree}: must be at least 0")
+        if self.sh_degree is not None and not 0 <= self.sh_degree <= MAX_SH_DEGREE:
+            raise ConfigError(f"--sh-degree {self.sh_degree}: must be in [0, {MAX_SH_DEGREE}]")
         if self.cache_mb is not None and not (math.isfinite(self.cache_mb) and self.cache_mb > 0):
             raise ConfigError(f"--cache-mb {self.cache_mb}: must be a positive number")
+        if self.adam not in ADAM_MODES:
+            raise ConfigError(f"--adam {self.adam!r}: choose from {', '.join(ADAM_MODES)}")
         if not all(math.isfinite(v) for v in self.background):
             raise ConfigError(f"--background {self.background}: must be finite")
         if isinstance(self.densify, dict):  # from a config.json

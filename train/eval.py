@@ -37,6 +37,7 @@ def evaluate(
     out: Path,
     log: RunLog,
     max_images: int = 0,  # 0: all
+    prepare: Callable[[str], None] | None = None,  # called on each block before it is read (dense Adam's catch-up)
 ) -> dict:
     """Mean PSNR / SSIM over the held-out views (rank r renders views r, r+R, ...)."""
     if max_images:
@@ -44,7 +45,7 @@ def evaluate(
     if not cameras:
         return {}
     cam_rank = [i % exchange.size for i in range(len(cameras))]
-    rendered = render_cameras(cameras, cam_rank, region, cache, exchange, sh_degree, background, backend)
+    rendered = render_cameras(cameras, cam_rank, region, cache, exchange, sh_degree, background, backend, prepare)
     sums = torch.zeros(3, dtype=torch.float64)
     for i, raster in rendered.items():
         rgb = raster.rgb

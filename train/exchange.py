@@ -31,7 +31,10 @@ class Exchange(Protocol):
         self,
         incoming: Incoming,  # what send_splats returned, after backward filled the leaves' grads
         contributed: dict[tuple[int, int], Tensor],  # (source rank, camera) -> [M] bool
-    ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:  # (dest, camera) -> (grads [M, 9], contributed [M])
+        absgrad: dict[tuple[int, int], Tensor] | None = None,  # (source rank, camera) -> [M, 2], sent along if given
+    ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
+        """(dest, camera) -> (grads [M, 9], contributed [M], absgrad [M, 2] or None) for this rank's splats
+        that other ranks rendered. With absgrad every rank passes it (its width is on the wire)."""
         ...
 
     def send_rows(
@@ -79,8 +82,9 @@ class LocalExchange:
         return {}
 
     def return_grads(
-        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor]
-    ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor],
+        absgrad: dict[tuple[int, int], Tensor] | None = None,
+    ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
         return {}
 
     def send_rows(self, outgoing: dict[int, np.ndarray], width: int) -> np.ndarray:

@@ -75,11 +75,13 @@ class MPIExchange:
         return incoming
 
     def return_grads(
-        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor]
-    ) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor],
+        absgrad: dict[tuple[int, int], Tensor] | None = None,
+    ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
         t0 = time.perf_counter()
         assert self._sent is not None and self._received is not None, "return_grads before send_splats"
         n_cameras = self._sent.shape[1]
+        width = _BACK_FLOATS + (2 if absgrad is not None else 0)
         by_source = {(src, cam): s for cam, lst in incoming.items() for src, s in lst}
         parts = []
         for src in range(self.size):
@@ -87,17 +89,21 @@ class MPIExchange:
                 if self._received[src, cam]:
                     s = by_source[(src, cam)]
                     flags = contributed.get((src, cam), torch.zeros(len(s), dtype=torch.bool))
-                    parts.append(torch.cat([pack_grads(s), flags.to(torch.float32)[:, None]], 1).numpy())
-        send = np.concatenate(parts) if parts else np.zeros((0, _BACK_FLOATS), np.float32)
-        buf = torch.from_numpy(self._alltoallv(send, self._received.sum(1), self._sent.sum(1), _BACK_FLOATS))
-        out: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+                    cols = [pack_grads(s), flags.to(torch.float32)[:, None]]
+                    if absgrad is not None:
+                        cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2)).to(torch.float32))
+                    parts.append(torch.cat(cols, 1).numpy())
+        send = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
+        buf = torch.from_numpy(self._alltoallv(send, self._received.sum(1), self._sent.sum(1), width))
+        out: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
         offset = 0
         for dest in range(self.size):
             for cam in range(n_cameras):
                 m = int(self._sent[dest, cam])
                 if m:
                     chunk = buf[offset : offset + m]
-                    out[(dest, cam)] = (chunk[:, :GRAD_FLOATS].contiguous(), chunk[:, GRAD_FLOATS] > 0.5)
+                    out[(dest, cam)] = (chunk[:, :GRAD_FLOATS].contiguous(), chunk[:, GRAD_FLOATS] > 0.5,
+                                        chunk[:, _BACK_FLOATS:].contiguous() if absgrad is not None else None)
                     offset += m
         self.seconds += time.perf_counter() - t0
         return out

@@ -1,10 +1,18 @@
-"""Sparse, per-row Adam over block tensors.
+"""Sparse, per-row Adam over block tensors, in three modes (`--adam`, `ADAM_MODES`).
 
-A row's moments and its step count change only on the steps the caller's mask selects (the
-trainer's default: its Gaussian contributed to a pixel; `--visible-adam`: a camera projected it).
-Bias correction uses the row's own step count, so a block that sat on disk for a thousand steps
-resumes exactly where it stopped, or (`global_step`) the training step, as torch's Adam and
-gsplat's SelectiveAdam do; either way the update of a row never depends on what other rows did.
+- contributed (default): a row's moments and step count change only on the steps its Gaussian
+  reached a pixel; bias correction by the row's own count, so a block that sat on disk for a
+  thousand steps resumes exactly where it stopped, and a hidden Gaussian is never touched.
+- visible: gsplat's `visible_adam` (SelectiveAdam): the rows a camera projected, bias-corrected by
+  the training step.
+- dense: torch's Adam over every Gaussian every step, as gsplat's default, without touching every
+  block every step. A step of a row with a zero gradient only decays its moments and moves it by
+  them, which needs nothing but the row itself and the step's learning rate; so those steps are
+  put off until the row is next used (`LazyDense`: before a step renders it, before a refinement,
+  an evaluation or the end of the run reads it) and then taken one by one, in order. `adam_step`
+  then holds the last step a row has taken; the result does not depend on when the row was paged.
+
+Either way the update of a row never depends on what other rows did.
 """
 from __future__ import annotations
 
@@ -17,6 +25,8 @@ import torch
 from torch import Tensor
 
 from storage.schema import PARAM_NAMES
+
+ADAM_MODES = ("contributed", "visible", "dense")
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,44 @@ def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, globa
     return k
 
 
+@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
+def _catch_up_row_cpu(p, m, v, r, done, to_step, lrs, b1, b2, eps):
+    """Steps done+1..to_step of row r of one parameter (p, m, v [N, D] float32) with a zero
+    gradient: the arithmetic of `_adam_rows_cpu` with g = 0; lrs [S] the learning rate of each
+    1-based step s at s - 1. A row whose moments are all zero stays as it is: it stops there."""
+    b1f, b2f, epsf = np.float32(b1), np.float32(b2), np.float32(eps)
+    for s in range(done + 1, to_step + 1):
+        moving = False
+        for j in range(p.shape[1]):
+            if m[r, j] != 0 or v[r, j] != 0:
+                moving = True
+                break
+        if not moving:
+            return
+        step_size = np.float32(lrs[s - 1] / (1.0 - b1 ** s))
+        inv_bc2_sqrt = np.float32(1.0 / math.sqrt(1.0 - b2 ** s))
+        for j in range(p.shape[1]):
+            mj = b1f * m[r, j]
+            vj = b2f * v[r, j]
+            m[r, j] = mj
+            v[r, j] = vj
+            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv_bc2_sqrt + epsf)
+
+
+@numba.njit(cache=True, nogil=True)
+def _catch_up_block_cpu(ps, ms, vs, table, adam_step, to_step, b1, b2, eps):  # -> rows brought up
+    """Every row of a block (tuples of [N, D_k] arrays as `_adam_block_cpu`) whose adam_step [N]
+    is behind to_step takes the steps it missed; table [S, K] the learning rates per step."""
+    moved = 0
+    for r in range(adam_step.shape[0]):
+        if adam_step[r] < to_step:
+            for j in range(len(ps)):
+                _catch_up_row_cpu(ps[j], ms[j], vs[j], r, adam_step[r], to_step, table[:, j], b1, b2, eps)
+            adam_step[r] = to_step
+            moved += 1
+    return moved
+
+
 def _adam_rows_torch(
     p: Tensor, g: Tensor, m: Tensor, v: Tensor, rows: Tensor, step: Tensor, lr: float, b1: float, b2: float, eps: float
 ) -> None:  # p, g, m, v [N, ...]; rows, step [R]
@@ -118,6 +166,72 @@ def numpy_arrays(tensors: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
         return None
     return {name: t.reshape(t.shape[0], math.prod(t.shape[1:])).numpy() for name, t in tensors.items()}
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """How a training step's Adam runs: which rows it changes (`mode`, one of ADAM_MODES), the
+    step's 1-based number (the bias correction of visible and dense), and for dense the rows'
+    missed steps (`lazy`)."""
+
+    mode: str = "contributed"
+    number: int = 0
+    lazy: "LazyDense | None" = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ADAM_MODES:
+            raise ValueError(f"adam mode {self.mode!r}: choose from {', '.join(ADAM_MODES)}")
+        if self.mode != "contributed" and self.number < 1:
+            raise ValueError(f"adam mode {self.mode!r} needs the step's number (1-based), got {self.number}")
+        if (self.mode == "dense") != (self.lazy is not None):
+            raise ValueError("adam mode 'dense' takes its LazyDense, and only it does")
+
+    @property
+    def global_step(self) -> int:
+        """Bias correction by this step, or (0) by each row's own count."""
+        return 0 if self.mode == "contributed" else self.number
+
+
+class LazyDense:
+    """The zero-gradient steps of dense Adam that rows missed while no step used them (module
+    docstring), taken when a row is next used: `catch_up(block, done)` brings every row of the
+    block to `done` steps."""
+
+    def __init__(self, cfg: AdamConfig, steps: int, scene_scale: float) -> None:
+        self.cfg = cfg
+        # Row s - 1: the learning rates of 1-based step s, the very floats the trainer passes that step.
+        self.table = np.array([[lrs[x] for x in PARAM_NAMES]
+                               for lrs in (learning_rates(cfg, s, steps, scene_scale) for s in range(steps))],
+                              dtype=np.float64).reshape(steps, len(PARAM_NAMES))
+        self._table_t = torch.from_numpy(self.table)
+
+    @torch.no_grad()
+    def catch_up(
+        self,
+        block: dict[str, Tensor],  # every array of one block
+        done: int,  # steps the run has taken
+        arrays: dict[str, np.ndarray] | None = None,  # `numpy_arrays(block)`; None: torch ops
+    ) -> int:
+        """Bring every row of `block` to `done` steps in place; returns how many rows were behind."""
+        if done > len(self.table):
+            raise ValueError(f"catch_up: step {done} is past the run's {len(self.table)} steps")
+        (b1, b2), eps = self.cfg.betas, self.cfg.eps
+        if arrays is not None:
+            p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
+            return int(_catch_up_block_cpu(p, ms, vs, self.table, arrays["adam_step"].reshape(-1), done,
+                                           b1, b2, eps))
+        step = block["adam_step"]
+        behind = int((step < done).sum())
+        if behind:
+            for s in range(int(step.min()) + 1, done + 1):
+                rows = torch.nonzero(step < s).squeeze(1)
+                at = torch.full_like(rows, s)
+                for j, name in enumerate(PARAM_NAMES):
+                    p = block[name]
+                    _adam_rows_torch(p, torch.zeros_like(p), block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"],
+                                     rows, at, float(self._table_t[s - 1, j]), b1, b2, eps)
+            step.clamp_(min=done)
+        return behind
 
 
 class SparseAdam:

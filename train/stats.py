@@ -37,7 +37,7 @@ def accumulate_stats(
     stats: dict[str, np.ndarray],  # from empty_stats, over the gathered batch
     ids: Tensor,  # [M] int64 batch rows of one camera's splats
     radii: Tensor,  # [M, 2] int32
-    grads: Tensor,  # [M, 9] the splats' gradients (pack_grads layout: the 2D mean's first)
+    grads: Tensor,  # [M, >= 2] the 2D mean's gradient first (pack_grads layout, or absgrad [M, 2])
     camera: Camera,
     n_cameras: int,  # the step's global batch (gsplat scales by it)
 ) -> None:

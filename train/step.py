@@ -6,12 +6,15 @@ cameras rendered elsewhere through the `Exchange`; `rasterize_and_loss` has each
 rasterize the union (local splats first in owner-rank order, so the image equals a single
 process's), compute the loss and backpropagate; `backprop_owned` returns the travelled splats'
 gradients to their owners, who backpropagate through their projections; `adam_update` steps
-sparse Adam on the rows that contributed to a pixel and adds the densification statistics.
+sparse Adam on the rows the `AdamStep` mode selects (by default those that contributed to a
+pixel; under dense Adam every row, each first brought up to date by `catch_up` after paging)
+and adds the densification statistics.
 `train_step` composes them; each phase's wall and CPU seconds go to `StepStats`.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +26,7 @@ from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
 from train.losses import photometric_loss, psnr
-from train.optim import AdamConfig, SparseAdam, numpy_arrays
+from train.optim import AdamConfig, AdamStep, SparseAdam, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
@@ -175,13 +178,27 @@ class Rendered:
     losses: list[Tensor]  # [] per rendered camera
     psnrs: list[float]
     flags_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M] contributed
+    abs_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M, 2] absolute 2D mean gradients (absgrad)
+
+
+@dataclass
+class Back:
+    """What an owner gets back for one camera's splats (from whichever rank rendered them)."""
+
+    grads: Tensor  # [M, 9] pack_grads layout
+    contributed: Tensor  # [M] bool: reached a pixel
+    absgrad: Tensor | None  # [M, 2] absolute per-pixel 2D mean gradients, summed (with --absgrad)
+
+    @property
+    def statistic(self) -> Tensor:  # [M, >= 2]: the 2D mean gradient the statistics take, first two columns
+        return self.absgrad if self.absgrad is not None else self.grads
 
 
 @dataclass
 class Backprop:
     """Each owned camera's splat gradients and contributed flags, and the batch rows to step."""
 
-    back: dict[int, tuple[Tensor, Tensor]]  # camera index -> (grads [M, 9], contributed [M])
+    back: dict[int, Back]  # camera index -> its splats' gradients, flags, absgrad
     contributed: Tensor  # [N] bool over the batch: the rows Adam steps
 
 
@@ -220,12 +237,13 @@ def rasterize_and_loss(
     background: Tensor,  # [3]
     backend: str,
     stats: StepStats,
+    absgrad: bool = False,  # also the absolute per-pixel 2D mean gradients (gsplat's absgrad)
 ) -> Rendered:
     n_cams = len(cameras)
-    out = Rendered([], [], {})
+    out = Rendered([], [], {}, {})
     for i in (i for i in range(n_cams) if cam_rank[i] == rank):
         parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
-        raster = rasterize(s, cameras[i], background, backend=backend)
+        raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
         loss = photometric_loss(raster.rgb, images[i])
         if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
             (loss / n_cams).backward()
@@ -233,31 +251,44 @@ def rasterize_and_loss(
         out.psnrs.append(psnr(raster.rgb, images[i]))
         for (src, part), flags in zip(parts, _split_by_parts(raster.contributed, parts)):
             out.flags_of[(src, i)] = flags
+        if absgrad:
+            for (src, part), a in zip(parts, _split_by_parts(raster.absgrad(), parts)):
+                out.abs_of[(src, i)] = a
         stats.local += sum(len(p) for src, p in parts if src == rank)
         stats.received += sum(len(p) for src, p in parts if src != rank)
     return out
 
 
-def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange) -> dict[int, tuple[Tensor, Tensor]]:
-    """Gradients and contributed flags of every camera's splats of this owner, remote ones
-    returned through the exchange."""
+def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange, absgrad: bool = False) -> dict[int, Back]:
+    """Gradients and contributed flags (and absgrad) of every camera's splats of this owner,
+    remote ones returned through the exchange."""
     rank = exchange.rank
     remote_flags = {key: f for key, f in rendered.flags_of.items() if key[0] != rank}
-    back = {i: v for (_, i), v in exchange.return_grads(routed.incoming, remote_flags).items()}
-    back.update({i: (pack_grads(leaf), rendered.flags_of[(rank, i)]) for i, leaf in routed.kept.items()})
+    remote_abs = {key: a for key, a in rendered.abs_of.items() if key[0] != rank} if absgrad else None
+    back = {i: Back(*v) for (_, i), v in exchange.return_grads(routed.incoming, remote_flags, remote_abs).items()}
+    back.update({i: Back(pack_grads(leaf), rendered.flags_of[(rank, i)], rendered.abs_of.get((rank, i)))
+                 for i, leaf in routed.kept.items()})
     return back
 
 
-def backprop_owned(projected: Projected, back: dict[int, tuple[Tensor, Tensor]], visible_adam: bool) -> Backprop:
+def backprop_owned(projected: Projected, back: dict[int, Back], mode: str) -> Backprop:
     """Owners backpropagate their projections; the rows Adam steps are those that reached a
-    pixel (or, with visible_adam, every row a camera projected)."""
-    projected.projection.backward({i: grads for i, (grads, _) in back.items()})
+    pixel (mode contributed), every row a camera projected (visible), or every row (dense)."""
+    projected.projection.backward({i: b.grads for i, b in back.items()})
     g = projected.gathered
-    contributed = torch.zeros(g.offsets[-1], dtype=torch.bool, device=g.params["means"].device)
-    for i, (_, flags) in back.items():
-        ids = projected.owned[i].ids
-        contributed[ids if visible_adam else ids[flags]] = True
-    return Backprop(back, contributed)
+    stepped = torch.full((g.offsets[-1],), mode == "dense", dtype=torch.bool, device=g.params["means"].device)
+    if mode != "dense":
+        for i, b in back.items():
+            ids = projected.owned[i].ids
+            stepped[ids if mode == "visible" else ids[b.contributed]] = True
+    return Backprop(back, stepped)
+
+
+def catch_up(paged: Paged, cache, adam_step: AdamStep) -> None:
+    """Dense Adam: every row of the step's blocks takes the steps it missed before this one."""
+    for k in paged.keys:
+        if adam_step.lazy.catch_up(paged.tensors[k], adam_step.number - 1, paged.cached[k].arrays(numpy_arrays)):
+            cache.mark_dirty(k)
 
 
 def all_stepped_finite(projected: Projected, rendered: Rendered, bp: Backprop) -> bool:
@@ -279,15 +310,15 @@ def adam_update(
     adam: AdamConfig,
     stats: StepStats,
     perturb=None,  # train.densify.Perturb: applied to each block's rows the step saw, after Adam
-    global_step: int = 0,  # > 0: Adam's bias correction by this step (visible_adam), not each row's count
+    global_step: int = 0,  # > 0: Adam's bias correction by this step (visible, dense), not each row's count
 ) -> None:
-    """Sparse Adam on the contributing rows of each block, then the densification statistics
+    """Sparse Adam on the rows `bp` selects in each block, then the densification statistics
     (summed in camera order: the sums must not depend on who rendered what) of every Gaussian a
     camera saw, as gsplat counts them."""
     g, owned, n_cams = projected.gathered, projected.owned, len(cameras)
     acc = empty_stats(g.offsets[-1])
     for i in sorted(bp.back):
-        accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i][0], cameras[i], n_cams)
+        accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i].statistic, cameras[i], n_cams)
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
     optimizer = SparseAdam(grads, bp.contributed, lrs, adam, global_step)
     changed = []
@@ -322,7 +353,8 @@ def train_step(
     background: Tensor,  # [3]
     backend: str = "cpu",
     perturb=None,  # train.densify.Perturb (MCMC's noise on the means), or None
-    visible_adam_step: int = 0,  # > 0: gsplat's visible_adam, this being the training step (1-based)
+    adam_step: AdamStep = AdamStep(),  # which rows Adam steps; default: those that reached a pixel
+    absgrad: bool = False,  # the statistics sum absolute per-pixel 2D mean gradients (gsplat's absgrad)
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
@@ -330,16 +362,20 @@ def train_step(
     try:
         stats.blocks = len(paged.keys)
         clock.mark("io")
+        if adam_step.lazy is not None:
+            catch_up(paged, cache, adam_step)
+            clock.mark("adam")
         projected = project_owned_batch(paged, cameras, sh_degree, backend)
         stats.projected = sum(len(s) for s in projected.owned.values())
         clock.mark("project")
         routed = route_splats(projected, cam_rank, exchange, len(cameras))
         clock.mark("exchange")
-        rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats)
+        rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
+                                      absgrad)
         clock.mark("render")
-        back = return_grads(routed, rendered, exchange)
+        back = return_grads(routed, rendered, exchange, absgrad)
         clock.mark("exchange")
-        bp = backprop_owned(projected, back, visible_adam_step > 0)
+        bp = backprop_owned(projected, back, adam_step.mode)
         clock.mark("backprop")
         finite = all_stepped_finite(projected, rendered, bp)
         clock.mark("adam")
@@ -348,7 +384,7 @@ def train_step(
         if skip:
             stats.skipped = True
             return stats
-        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, visible_adam_step)
+        adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, adam_step.global_step)
         if rendered.losses:
             stats.loss = float(torch.stack(rendered.losses).mean())
             stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))
@@ -366,6 +402,7 @@ def render_cameras(
     sh_degree: int,
     background: Tensor,  # [3]
     backend: str = "cpu",
+    prepare: Callable[[str], None] | None = None,  # called on each block before it is read (dense Adam's catch-up)
 ) -> dict[int, RasterOutput]:  # camera index -> image and its splats, for the cameras this rank renders
     """Forward only (evaluation, viewer): the same culling, projection and exchange as training."""
     rank, n_cams = exchange.rank, len(cameras)
@@ -375,6 +412,8 @@ def render_cameras(
         keys = visible[i]
         cache.pin(keys)
         try:
+            for k in keys if prepare is not None else ():
+                prepare(k)
             blocks = {k: cache.get(k).tensors for k in keys}
             g = gather(blocks, keys, requires_grad=False)
             owned = project_owned(g, [keys], [cam], sh_degree, backend).splats

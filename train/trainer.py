@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,7 +23,7 @@ from train.data import DataConfig, load_scene
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, write_config
-from train.optim import AdamConfig, learning_rates
+from train.optim import AdamConfig, AdamStep, LazyDense, learning_rates, numpy_arrays
 from train.region import Ownership, Region
 from train.schedule import Schedule
 from train.assign import assign_cameras
@@ -62,7 +64,8 @@ def default_cache_bytes() -> int:
 
 def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     """Cameras of the dataset moved into the frame the store was tiled in."""
-    data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False))
+    data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False,
+                                           allow_external_images=cfg.allow_external_images))
     # The store holds the Gaussians: the dataset's point cloud (27 MiB at 744k points) is not kept.
     data = replace(data, points=np.zeros((0, 3)), colors=np.zeros((0, 3), dtype=np.uint8))
     T = np.asarray(store.attrs.get("world_transform", np.eye(4)), dtype=np.float64)
@@ -178,8 +181,10 @@ class Trainer:
         self.background = torch.tensor(cfg.background, dtype=torch.float32, device=self.device)
         self.adam = AdamConfig().for_batch(cfg.batch_size * self.size)
         self.log = RunLog(self.out, self.rank, self.size)
+        self.lazy = LazyDense(self.adam, cfg.steps, scene.scene_scale) if cfg.adam == "dense" else None
         self.densifier = Densifier(cfg.densify, store, self.cache, exchange, scene.scene_scale, cfg.seed,
-                                   set(store.state.get("refine_pending", [])))
+                                   set(store.state.get("refine_pending", [])), self.catch_up,
+                                   every_block=self.lazy is not None)
         if self.rank == 0:
             write_config(self.out, cfg, {"ranks": self.size, "device": str(self.device),
                                          "scene_scale": scene.scene_scale, "train_images": len(scene.train),
@@ -225,7 +230,9 @@ class Trainer:
             perturb = self.densifier.perturb(
                 step, learning_rates(self.adam, step + 1, self.cfg.steps, self.scene.scene_scale)["means"])
             stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
-                               self.background, self.backend, perturb, step + 1 if self.cfg.visible_adam else 0)
+                               self.background, self.backend, perturb,
+                               AdamStep(self.cfg.adam, step + 1, self.lazy),
+                               self.cfg.densify.absgrad and self.cfg.densify.strategy == "default")
         finally:
             self.cache.unpin(needed)
         self.region.update_extents(stats.extents)
@@ -287,7 +294,29 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict:
         return evaluate(self.scene.test, self.scene.data.load_image, step, self.region, self.cache, self.exchange,
-                        self.sh_degree, self.background, self.backend, self.out, self.log, self.cfg.max_eval_images)
+                        self.sh_degree, self.background, self.backend, self.out, self.log, self.cfg.max_eval_images,
+                        lambda key: self.catch_up(key, step))
+
+    def catch_up(self, key: str, done: int) -> int:
+        """Dense Adam: the owned block `key`'s rows take the steps they missed, up to `done`;
+        returns how many rows were behind."""
+        if self.lazy is None:
+            return 0
+        block = self.cache.get(key)
+        behind = self.lazy.catch_up(block.tensors, done, block.arrays(numpy_arrays))
+        if behind:
+            self.cache.mark_dirty(key)
+        return behind
+
+    def catch_up_all(self, done: int) -> bool:
+        """Dense Adam, at the end of a run or slice: every owned block up to date in the store (an
+        export reads the store), streamed through the cache. Whether any rank changed a block."""
+        keys = self.region.keys if self.lazy is not None else []
+        behind = 0
+        for i, key in enumerate(keys):
+            self.cache.prefetch(keys[i + 1 : i + 5])
+            behind += self.catch_up(key, done)
+        return self.exchange.any(behind > 0)
 
     # ---- the loop ----
 
@@ -309,7 +338,7 @@ class Trainer:
                         self.commit(step)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < self.end:
                         self.evaluate(step)
-                if self.store.state.get("step") != step:
+                if self.catch_up_all(step) or self.store.state.get("step") != step:
                     self.commit(step)
             metrics = self.evaluate(step)
         except CacheBudgetError as e:
@@ -344,6 +373,7 @@ class Trainer:
         summary = {
             "steps": step,
             "interrupted": step < self.cfg.steps,
+            "stopped_by_signal": step < self.end,  # the loop ends early only on a Ctrl-C (any rank's)
             "seconds": round(elapsed, 2),
             "seconds_per_step": round(elapsed / max(1, step - self.start), 4),
             "gaussians": _num_gaussians(self.store),
@@ -363,12 +393,15 @@ class Trainer:
     def close(self) -> None:
         self.bar.close()
         self.images.shutdown(wait=False, cancel_futures=True)
-        self.cache.close()
+        with warnings.catch_warnings():
+            if sys.exc_info()[0] is not None:  # closing on an error, which says what the store keeps:
+                warnings.simplefilter("ignore")  # the cache's list of the changes lost would repeat it
+            self.cache.close()
         self.log.close()
 
 
 def check_strategy(cfg: TrainConfig, store: Store) -> None:
-    """Settings that need the store to judge, and what is not built yet."""
+    """Settings that need the store to judge."""
     d = cfg.densify
     if d.strategy != "none" and "octree" not in store.attrs:
         raise TrainError(f"store {cfg.store} records no octree (root cube, leaf cap): densification needs it "
@@ -376,8 +409,6 @@ def check_strategy(cfg: TrainConfig, store: Store) -> None:
     total = sum(info.count for info in store.table.values())
     if d.strategy == "mcmc" and d.cap_max < total:
         raise TrainError(f"--cap-max {d.cap_max} is below the {total} Gaussians {cfg.store} holds already")
-    if d.absgrad:
-        raise TrainError("--absgrad: the CPU rasterizer does not compute absolute 2D gradients yet")
 
 
 def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:

@@ -1,6 +1,6 @@
 """`python -m tools.bench densify [SECTION ...] [--quick] [--only RUN ...]`: adaptive density control.
 
-Each scene is trained five ways, side by side in one bench run, each from a fresh copy of the
+Each scene is trained up to six ways, side by side in one bench run, each from a fresh copy of the
 same store (`python -m tools.tile`), `--steps` steps at batch 1, seed 0, on the trainer's camera
 schedule, scored on the dataset's held-out views every `--eval-every` steps and at the end:
 
@@ -17,13 +17,15 @@ reference-visible: the same with simple_trainer's `--visible_adam` (gsplat's Sel
     reference is the optimizer rather than densification.
 ours: `python -m train --strategy default` with the same refine schedule (`Refine`): what blocks,
     out-of-core paging and sparse Adam do to densification.
-ours-visible: the same with `--visible-adam` (Adam steps every Gaussian a camera projected,
+ours-visible: the same with `--adam visible` (Adam steps every Gaussian a camera projected,
     bias-corrected by the training step: gsplat's SelectiveAdam, as reference-visible).
+ours-dense: the same with `--adam dense` (every Gaussian every step, as torch's Adam in the
+    reference; the steps of Gaussians no camera used are taken when they are next used).
 ours-none: `python -m train --strategy none`, the same store without densification: what
     densification buys at all.
 
 Scenes: lund_door (SfM points, 12 photos), vesta_colmap_bin (1,465 SfM points, 4 RGBA photos) and
-`nopoints`, the `tools.make_scene wall` dataset without its point cloud, tiled from random points
+`nopoints`, the `tools.make_scene object` dataset without its point cloud, tiled from random points
 (`--init-random`): densification has to make the scene. Section `mcmc` trains lund_door with
 `--strategy mcmc --cap-max 3 x initial`; a failure there is reported and the rest goes on.
 Section `ranks` trains lund_door with densification under `mpirun -n 4` (batch 1 a rank) and
@@ -52,7 +54,7 @@ from gsplat.strategy.ops import reset_opa
 
 from storage import Store
 from tools.bench import data_dir
-from tools.bench.train import (GSPLAT_LR, SH_DEGREE_INTERVAL, BenchError, copy_dataset, make_wall, python_module,
+from tools.bench.train import (GSPLAT_LR, SH_DEGREE_INTERVAL, BenchError, copy_dataset, python_module,
                                run_child, scratch, store_size, tile, train, warm_images)
 from train.config import TrainConfig
 from train.losses import photometric_loss, psnr, ssim
@@ -60,13 +62,10 @@ from train.render import render
 from train.schedule import Schedule
 from train.trainer import load_cameras, look_features
 
-# A wall short enough for every camera to see most of it: the held-out views then show what the
-# training views saw (the default 40 m wall, each camera seeing 7 m, measures extrapolation).
-NOPOINTS_WALL = ("--wall-length", "8")
 SECTIONS = ("lund_door", "vesta", "nopoints", "mcmc", "ranks")
-RUNS = ("reference", "reference-visible", "ours", "ours-visible", "ours-none", "mcmc")
+RUNS = ("reference", "reference-visible", "ours", "ours-visible", "ours-dense", "ours-none", "mcmc")
 LABELS = {"reference": "ref: gsplat", "reference-visible": "ref: visible", "ours": "ours+densify",
-          "ours-visible": "ours+visible", "ours-none": "ours-none"}
+          "ours-visible": "ours+visible", "ours-dense": "ours+dense", "ours-none": "ours-none"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,12 @@ class BenchConfig:
     vesta_factor: int = 2  # vesta's: 1024 x 1024 -> 512 x 512
     max_per_block: int = 2048  # lund_door and nopoints: many blocks, so paging and block splits take part
     vesta_per_block: int = 512  # its 1,465 points still make several blocks
-    init_random: int = 10_000  # nopoints: random initial Gaussians (the wall's point cloud has 12,000)
+    init_random: int = 10_000  # nopoints: random initial Gaussians (the object's point cloud has 12,000)
+
+    @property
+    def suffix(self) -> str:
+        """Of every run folder: runs of another seed keep their own."""
+        return f"-seed{self.seed}" if self.seed else ""
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def reference(spec: SceneSpec, cfg: BenchConfig, visible_adam: bool = False) -> 
 
 def ours(spec: SceneSpec, cfg: BenchConfig, name: str, options: list[str]) -> Result:
     """`python -m train` on a fresh copy of the store; curves from its metrics.jsonl."""
-    out = spec.store.parent / f"densify-{spec.name}-{name}"
+    out = spec.store.parent / f"densify-{spec.name}-{name}{cfg.suffix}"
     run = train(spec.data, spec.store, out, cfg.steps, "--data-factor", str(spec.data_factor), "--seed",
                 str(cfg.seed), "--eval-every", str(cfg.eval_every), "--log-every", str(cfg.log_every), *options)
     # train() keeps the "train" lines only: the "eval" lines are read back here.
@@ -248,7 +252,7 @@ def compare(spec: SceneSpec, cfg: BenchConfig, results: dict[str, Result]) -> No
     for r in runs:
         print(f"  {LABELS[r]}: {results[r].note}")
     ref, none = results.get("reference"), results.get("ours-none")
-    for name in ("ours", "ours-visible"):
+    for name in ("ours", "ours-visible", "ours-dense"):
         ok = results.get(name)
         if ok is None:
             continue
@@ -289,17 +293,16 @@ def ranks(spec: SceneSpec, cfg: BenchConfig, steps: int) -> bool:
     """4 ranks against 1 at the same global batch: bit for bit, and the regions' balance."""
     options = ["--data-factor", str(spec.data_factor), "--seed", str(cfg.seed), "--batch-size", "4",
                "--strategy", "default", *cfg.refine.flags(), "--log-every", str(cfg.log_every)]
-    one = train(spec.data, spec.store, spec.store.parent / "densify-ranks-1", steps, *options, ranks=1,
-                keep_store=True)
-    four = train(spec.data, spec.store, spec.store.parent / "densify-ranks-4", steps, *options, "--batch-size", "1",
-                 ranks=4, keep_store=True)  # (the later --batch-size wins)
-    a = Store.open(spec.store.parent / "densify-ranks-1.zarr", mode="r")
-    b = Store.open(spec.store.parent / "densify-ranks-4.zarr", mode="r")
+    runs = {n: spec.store.parent / f"densify-ranks-{n}{cfg.suffix}" for n in (1, 4)}
+    one = train(spec.data, spec.store, runs[1], steps, *options, ranks=1, keep_store=True)
+    four = train(spec.data, spec.store, runs[4], steps, *options, "--batch-size", "1", ranks=4,
+                 keep_store=True)  # (the later --batch-size wins)
+    a, b = (Store.open(runs[n].with_name(runs[n].name + ".zarr"), mode="r") for n in (1, 4))
     same = a.table.keys() == b.table.keys() and all(
         np.array_equal(x, y) for k in a.table for x, y in zip(a.read_block(k).values(), b.read_block(k).values()))
     refines: dict[int, list[dict]] = {}
     for r in range(4):
-        for line in (spec.store.parent / "densify-ranks-4" / f"metrics.rank{r}.jsonl").read_text().splitlines():
+        for line in (runs[4] / f"metrics.rank{r}.jsonl").read_text().splitlines():
             record = json.loads(line)
             if record["kind"] == "refine":
                 refines.setdefault(record["step"], []).append(record)
@@ -321,10 +324,14 @@ def ranks(spec: SceneSpec, cfg: BenchConfig, steps: int) -> bool:
 
 
 def nopoints_dataset(work: Path) -> Path:
-    """The wall dataset without its point cloud: transforms.json minus `ply_file_path` (make_scene
-    always writes one), photos linked; the loader then draws random points."""
-    base = make_wall(work, NOPOINTS_WALL)
-    out = work / "wall-nopoints-short"
+    """The `tools.make_scene object` dataset without its point cloud: transforms.json minus
+    `ply_file_path` (make_scene always writes one), photos linked; the loader then draws random
+    points in the box around the cameras, which surround the object. (A scene seen from one side,
+    as the wall, is no test of this: the box around its cameras holds none of the wall.)"""
+    base = work / "object"
+    if not (base / "transforms.json").is_file():
+        run_child(python_module("tools.make_scene", "object", base, "--overwrite"), "tools.make_scene object")
+    out = work / "object-nopoints"
     if not (out / "transforms.json").is_file():
         out.mkdir(exist_ok=True)
         meta = json.loads((base / "transforms.json").read_text())
@@ -374,6 +381,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, default, quick in (("refine-start-iter", 500, 100), ("refine-every", 100, 50),
                                  ("reset-every", 3000, 200)):
         p.add_argument(f"--{name}", type=int, help=f"refine schedule, both sides (default {default}, --quick {quick})")
+    p.add_argument("--seed", type=int, default=0, help="seed of every run (the split samples and the camera schedule): "
+                   "one training run is chaotic, so compare runs over several seeds")
     p.add_argument("--ranks-steps", type=int, default=1000, help="ranks: training steps of the 4- and 1-rank runs")
     p.add_argument("--vesta-factor", type=int, help="vesta's image downscale factor (default 2: 512 x 512)")
     p.add_argument("--init-random", type=int, help="nopoints: random initial Gaussians (default 10000)")
@@ -396,7 +405,7 @@ def main(argv: list[str]) -> int:
     refine = Refine(*(getattr(a, n) or getattr(base.refine, n) for n in ("refine_start_iter", "refine_every",
                                                                           "reset_every")))
     cfg = replace(base, steps=a.steps or base.steps, eval_every=a.eval_every or base.eval_every, refine=refine,
-                  runs=tuple(a.only or RUNS), vesta_factor=a.vesta_factor or base.vesta_factor,
+                  runs=tuple(a.only or RUNS), seed=a.seed, vesta_factor=a.vesta_factor or base.vesta_factor,
                   init_random=a.init_random or base.init_random)
     if not a.data.is_dir():
         print(f"error: {a.data}: no such data folder (pass --data)", file=sys.stderr)
@@ -418,9 +427,10 @@ def main(argv: list[str]) -> int:
                         results["reference-visible"] = reference(spec, cfg, visible_adam=True)
                     if "ours" in cfg.runs:
                         results["ours"] = ours(spec, cfg, "ours", ["--strategy", "default", *cfg.refine.flags()])
-                    if "ours-visible" in cfg.runs:
-                        results["ours-visible"] = ours(spec, cfg, "visible", ["--strategy", "default", "--visible-adam",
-                                                                              *cfg.refine.flags()])
+                    for mode in ("visible", "dense"):
+                        if f"ours-{mode}" in cfg.runs:
+                            results[f"ours-{mode}"] = ours(spec, cfg, mode, ["--strategy", "default", "--adam", mode,
+                                                                             *cfg.refine.flags()])
                     if "ours-none" in cfg.runs:
                         results["ours-none"] = ours(spec, cfg, "none", ["--strategy", "none"])
                 finally:  # a failed run still shows the runs before it; a missed target is a figure, not an error

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from tools.ply.compressed import CompressedPly, CompressedPlyWriter
-from tools.ply.format import PlyError, read_header
+from tools.ply.format import PlyError, PlyWarning, read_header
 from tools.ply.points import PointPly
 from tools.ply.standard import GAUSSIAN_MARKERS, GaussianPly, GaussianPlyWriter, Splats, check_splats
 
@@ -18,6 +18,7 @@ __all__ = [
     "GaussianPly",
     "GaussianPlyWriter",
     "PlyError",
+    "PlyWarning",
     "PointPly",
     "Splats",
     "open_ply",

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from octree.semantics import SH_C0
 from storage.schema import num_sh_rest
 from tools.ply.format import AtomicFile, PlyError, PlyHeader, RowWriter, columns, element_data
 from tools.ply.standard import SH_DEGREE_OF_REST, Splats, check_splats
 
 CHUNK_ROWS = 256
-SH_C0 = 0.28209479177387814  # the DC band's constant: colour = sh0 * SH_C0 + 0.5
 _POSITION_BOUNDS = ("min_x", "min_y", "min_z", "max_x", "max_y", "max_z")
 _SCALE_BOUNDS = ("min_scale_x", "min_scale_y", "min_scale_z", "max_scale_x", "max_scale_y", "max_scale_z")
 _COLOR_BOUNDS = ("min_r", "min_g", "min_b", "max_r", "max_g", "max_b")

@@ -1,11 +1,15 @@
 """The PLY container: header parsing, element data (memory-mapped when binary) and atomic output files."""
 from __future__ import annotations
 
+import itertools
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from tools.leftovers import remove_leftovers
 
 MAX_HEADER_BYTES = 1 << 20  # a header is a few kB; more means this is not a PLY
 
@@ -16,6 +20,10 @@ _TYPES = {
     "float": "f4", "float32": "f4", "double": "f8", "float64": "f8",
 }  # fmt: skip
 _FORMATS = {"ascii": "=", "binary_little_endian": "<", "binary_big_endian": ">"}
+
+
+class PlyWarning(UserWarning):
+    """A PLY file that is read, but not all of it (more rows than its header declares)."""
 
 
 class PlyError(ValueError):
@@ -89,6 +97,8 @@ def read_header(path: str | os.PathLike) -> PlyHeader:
                     _type_code(words[2]), _type_code(words[3])
                     elements[-1] = PlyElement(e.name, e.count, e.properties, True)
                 else:
+                    if words[2] in e.names:
+                        raise ValueError(f"property {words[2]!r} is declared twice in element '{e.name}'")
                     prop = (words[2], _type_code(words[1]))
                     elements[-1] = PlyElement(e.name, e.count, e.properties + (prop,), e.has_lists)
             else:
@@ -98,7 +108,19 @@ def read_header(path: str | os.PathLike) -> PlyHeader:
             raise PlyError(path, f"header line {number} {line.strip()!r}: {detail}") from None
     if fmt is None:
         raise PlyError(path, "PLY header has no 'format' line")
-    return PlyHeader(path, fmt, tuple(elements), line_end + 1)
+    header = PlyHeader(path, fmt, tuple(elements), line_end + 1)
+    if fmt != "ascii" and not any(e.has_lists for e in elements):
+        end = header.data_offset + sum(e.count * e.dtype("<").itemsize for e in elements)
+        extra = path.stat().st_size - end
+        if extra > 0:
+            _warn_unread(path, f"{extra} bytes after the rows its header declares")
+    return header
+
+
+def _warn_unread(path: Path, what: str) -> None:
+    # stacklevel: the tool that opened the file, not this module
+    warnings.warn(f"{path}: the file holds {what}; they are ignored (is the header's element count "
+                  "too small?)", PlyWarning, stacklevel=4)
 
 
 def _count(text: str) -> int:
@@ -145,12 +167,17 @@ def element_data(header: PlyHeader, name: str) -> np.ndarray:
 
 def _ascii_rows(header: PlyHeader, target: PlyElement) -> np.ndarray:
     skip = sum(e.count for e in header.elements[: header.elements.index(target)])
+    last = target is header.elements[-1]
     with open(header.path, "rb") as f:
         f.seek(header.data_offset)
-        lines = [line for line in (f.readline() for _ in range(skip + target.count)) if line.strip()]
+        # Stops at the end of the file, whatever the header declares (a count of 10^12 is one line).
+        lines = [line for line in itertools.islice(f, skip + target.count) if line.strip()]
+        extra = sum(1 for line in f if line.strip()) if last else 0
     lines = lines[skip:]
     if len(lines) < target.count:
         raise PlyError(header.path, f"truncated: element '{target.name}' has {len(lines)} of {target.count} rows")
+    if extra:
+        _warn_unread(header.path, f"{extra} more rows after the {target.count} its header declares")
     width = len(target.properties)
     try:
         values = np.loadtxt(lines, dtype=np.float64, ndmin=2).reshape(target.count, -1)
@@ -178,6 +205,9 @@ class AtomicFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        if not self.path.parent.is_dir():  # else open() names the temp file, which the user never chose
+            raise PlyError(self.path, f"cannot write: folder {self.path.parent} does not exist")
+        remove_leftovers(self.path.parent, self.path.name, ".tmp-", "unfinished file")
         self.file = open(self.tmp, "wb")
 
     def commit(self) -> None:

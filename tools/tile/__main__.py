@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from octree.keys import MAX_DEPTH
 from storage import StoreError
+from tools.leftovers import LeftoverWarning
 from tools.ply import PlyError
 from tools.tile.config import TileConfig, TileError
 from tools.tile.pipeline import TileSummary, tile
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of random initialisation")
     p.add_argument("--memory-mb", type=float, default=TileConfig.memory_mb, help="working memory (bigger inputs: sort on disk)")
     p.add_argument("--scratch", type=Path, help="folder for the on-disk sort (default: next to --out)")
+    p.add_argument("--allow-external-images", action="store_true",
+                   help="follow image paths that lead out of the dataset (transforms.json file_path, COLMAP image names)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at --out")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, help="progress bars (default: large inputs on a tty)")
     return p
@@ -56,6 +60,7 @@ def format_summary(s: TileSummary) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    caught: list[warnings.WarningMessage] = []
     try:
         cfg = TileConfig(
             max_per_block=args.max_per_block,
@@ -69,14 +74,25 @@ def main(argv: list[str] | None = None) -> int:
             init_opacity=args.init_opacity,
             seed=args.seed,
             scratch=args.scratch,
+            allow_external_images=args.allow_external_images,
         )
         progress = args.progress if args.progress is not None else sys.stderr.isatty() and _large(args.src)
-        summary = tile(args.src, args.out, cfg, progress=progress)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            summary = tile(args.src, args.out, cfg, progress=progress)
     except (TileError, PlyError, StoreError, OSError) as e:
+        # Other warnings of a failed run are about input it refused; what it removed is said anyway.
+        _print_warnings([w for w in caught if issubclass(w.category, LeftoverWarning)])
         print(f"error: {e}", file=sys.stderr)
         return 1
+    _print_warnings(caught)
     print(format_summary(summary))
     return 0
+
+
+def _print_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:  # one line each, as errors are, not Python's two-line format
+        print(f"warning: {w.message}", file=sys.stderr)
 
 
 def _large(src: Path) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from octree.semantics import MAX_SH_DEGREE
+
 
 class TileError(ValueError):
     """Input or output the tiler refuses; the message names the file and the problem."""
@@ -27,6 +29,7 @@ class TileConfig:
     init_opacity: opacity of Gaussians made from points (gsplat: 0.1).
     seed: seeds the random initialisation.
     scratch: folder for the external sort's runs; None: next to the output.
+    allow_external_images: follow image paths that lead out of the dataset (see `DataConfig`).
     """
 
     max_per_block: int = 65536
@@ -40,14 +43,15 @@ class TileConfig:
     init_opacity: float = 0.1
     seed: int = 0
     scratch: Path | None = None
+    allow_external_images: bool = False
 
     def __post_init__(self) -> None:
         if self.max_per_block < 1:
             raise TileError(f"--max-per-block must be at least 1, got {self.max_per_block}")
         if self.min_cell_size is not None and not self.min_cell_size > 0:
             raise TileError(f"--min-cell-size must be positive, got {self.min_cell_size}")
-        if self.sh_degree is not None and not 0 <= self.sh_degree <= 4:
-            raise TileError(f"--sh-degree must be in [0, 4], got {self.sh_degree}")
+        if self.sh_degree is not None and not 0 <= self.sh_degree <= MAX_SH_DEGREE:
+            raise TileError(f"--sh-degree must be in [0, {MAX_SH_DEGREE}], got {self.sh_degree}")
         if not self.memory_mb > 0:
             raise TileError(f"--memory-mb must be positive, got {self.memory_mb}")
         if self.voxel_size is not None and not self.voxel_size > 0:

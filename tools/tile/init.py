@@ -17,8 +17,8 @@ import numpy as np
 from scipy.spatial import cKDTree
 
 from octree import box_box_distance, point_box_distance
+from octree.semantics import SH_C0
 from storage.schema import num_sh_rest
-from tools.ply.compressed import SH_C0
 
 NEIGHBOURS = 3  # gsplat averages over the 3 nearest neighbours
 

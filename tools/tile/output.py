@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from storage import Store, StoreError
+from tools.leftovers import leftovers, remove_leftovers, warn
 from tools.tile.config import TileError
 
 
@@ -19,13 +20,26 @@ class OutputPlace:
 
     def __init__(self, out: Path, overwrite: bool, scratch_parent: Path | None = None) -> None:
         self.out = Path(out)
-        self.replace = self._check_target(overwrite)
         parent = self.out.parent
+        self._scratch_parent = scratch_parent or parent
+        self._clear_leftovers()
+        self.replace = self._check_target(overwrite)
         if not parent.is_dir():
             raise TileError(f"{self.out}: parent folder {parent} does not exist")
         self.tmp = parent / f"{self.out.name}.tmp-{os.getpid()}"
-        self._scratch_parent = scratch_parent or parent
         self.scratch: Path | None = None
+
+    def _clear_leftovers(self) -> None:
+        """What killed runs into this output left. A run killed inside `finish`, between its two
+        renames, left no store at OUT but the one it replaced at OUT.old-<pid>: that is put back."""
+        parent, name = self.out.parent, self.out.name
+        for old, pid in leftovers(parent, name, ".old-"):
+            if not os.path.lexists(self.out):
+                os.rename(old, self.out)
+                warn(f"put back {self.out} from {old}, where a run replacing it (process {pid}) was stopped")
+        remove_leftovers(parent, name, ".old-", "replaced store")
+        remove_leftovers(parent, name, ".tmp-", "unfinished store")
+        remove_leftovers(self._scratch_parent, name, ".sort-", "sort scratch")
 
     def _check_target(self, overwrite: bool) -> bool:
         if not os.path.lexists(self.out):
@@ -39,7 +53,8 @@ class OutputPlace:
         return True
 
     def make_scratch(self) -> Path:
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.sort-", dir=self._scratch_parent))
+        # The pid lets a later run tell a killed run's scratch from a live one's.
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"{self.out.name}.sort-{os.getpid()}-", dir=self._scratch_parent))
         return self.scratch
 
     def finish(self) -> None:

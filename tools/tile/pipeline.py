@@ -20,6 +20,7 @@ from tqdm import tqdm
 from octree import RootCube, leaves_from_sorted_codes, locate, tight_boxes
 from octree.build import group_by_label
 from octree.keys import MAX_DEPTH, BlockKey
+from octree.semantics import MAX_SH_DEGREE
 from storage import Store
 from storage.schema import bytes_per_gaussian, empty_state
 from tools.tile.config import TileConfig, TileError
@@ -133,6 +134,9 @@ def _group(
 def _sh_degree(source: Source, cfg: TileConfig) -> int:
     if source.kind == "points":
         return 3 if cfg.sh_degree is None else cfg.sh_degree
+    if source.sh_degree > MAX_SH_DEGREE:
+        raise TileError(f"{source.path}: the trained Gaussians have SH degree {source.sh_degree}; the renderer "
+                        f"supports at most {MAX_SH_DEGREE}")
     if cfg.sh_degree is not None and cfg.sh_degree != source.sh_degree:
         raise TileError(
             f"{source.path}: the trained Gaussians have SH degree {source.sh_degree}; --sh-degree {cfg.sh_degree} "

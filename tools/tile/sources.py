@@ -67,7 +67,8 @@ def _dataset(path: Path, cfg: TileConfig) -> Source:
 
     try:
         data_cfg = DataConfig(data_factor=cfg.data_factor, normalize=True, check_images=False,
-                              random_points=cfg.init_random, seed=cfg.seed)  # fmt: skip
+                              random_points=cfg.init_random, seed=cfg.seed,
+                              allow_external_images=cfg.allow_external_images)  # fmt: skip
     except ValueError as e:
         raise TileError(f"{path}: {e}") from None
     try:
@@ -99,14 +100,40 @@ def _point_rows(means: np.ndarray, colors: np.ndarray) -> Rows:
     return {"means": means.astype(np.float32), "colors": colors}
 
 
+# Deflate's largest ratio (258-byte matches in 2-bit codes): no member can justify more bytes than this
+# times its compressed size, so a larger array header is corrupt or hostile.
+_MAX_DEFLATE_RATIO = 1032
+
+
+def _check_npz_member(path: Path, archive: zipfile.ZipFile, name: str) -> None:
+    """Refuse an array whose header declares more bytes than its zip member can hold, before
+    numpy allocates them."""
+    info = archive.getinfo(f"{name}.npy")
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"unknown .npy format version {version}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f, max_header_size=10_000)
+        header = f.tell()
+    have = min(info.file_size, info.compress_size * _MAX_DEFLATE_RATIO) - header
+    need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if need > have:
+        raise TileError(f"{path}: array '{name}' declares shape {shape} ({need:,} bytes) but its file holds "
+                        f"at most {max(have, 0):,} (truncated or corrupt)")
+
+
 def _npz(path: Path) -> Source:
     try:
         with np.load(path) as data:
             if "means3d" not in data:
                 raise TileError(f"{path}: npz lacks the 'means3d' array (has {sorted(data.keys())})")
+            for name in ("means3d", "colors"):
+                if name in data:
+                    _check_npz_member(path, data.zip, name)
             means = data["means3d"]
             colors = data["colors"] if "colors" in data else None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as e:
         raise TileError(f"{path}: unreadable npz ({e})") from None
     if means.ndim != 2 or means.shape[1] != 3 or means.dtype.kind not in "fiu":
         raise TileError(f"{path}: 'means3d' must be a numeric [N, 3] array, got {means.dtype} {means.shape}")
@@ -115,7 +142,11 @@ def _npz(path: Path) -> Source:
     elif colors.shape != means.shape:
         raise TileError(f"{path}: 'colors' has shape {colors.shape}, 'means3d' {means.shape}")
     elif colors.dtype.kind == "f":  # floats in [0, 1]
-        colors = np.clip(np.round(colors * 255.0), 0, 255).astype(np.uint8)
+        bad = ~np.isfinite(colors).all(axis=1)
+        if bad.any():  # dropped and counted as a NaN position is, rather than made black
+            means = means.astype(np.float32)
+            means[bad] = np.nan
+        colors = np.clip(np.round(np.nan_to_num(colors) * 255.0), 0, 255).astype(np.uint8)
     return points_source(f"npz {path} ({len(means):,} points)", path, means, colors)
 
 

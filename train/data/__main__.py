@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-factor", type=_positive, default=1, help="downscale images by this factor")
     p.add_argument("--test-every", type=_test_every, default=8, help="hold out every Nth image (0: none)")
     p.add_argument("--no-normalize", action="store_true", help="keep the input's world frame")
+    p.add_argument("--allow-external-images", action="store_true",
+                   help="follow image paths that lead out of the dataset (transforms.json file_path, COLMAP image names)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where downscaled/undistorted images go")
     p.add_argument("--load-images", action="store_true",
                    help="load every image once (fills the cache and proves every image decodes)")
@@ -60,7 +62,7 @@ def summary(scene: SceneData) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cfg = DataConfig(data_factor=args.data_factor, test_every=args.test_every, normalize=not args.no_normalize,
-                     cache_dir=args.cache_dir)
+                     cache_dir=args.cache_dir, allow_external_images=args.allow_external_images)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from train.data.errors import ColmapError
+from train.data.intrinsics import image_size_problem
 
 # COLMAP's camera models: name -> (model id, number of parameters, number of focal lengths).
 CAMERA_MODELS: dict[str, tuple[int, int, int]] = {
@@ -146,8 +147,9 @@ def validate(model: ColmapModel) -> None:
     cam_file, img_file, pts_file = (model.files.get(s, Path(s)) for s in FILE_STEMS)
     for cam in model.cameras.values():
         where = f"{cam.origin} (camera {cam.camera_id})"
-        if cam.width <= 0 or cam.height <= 0:
-            raise ColmapError(cam_file, f"image size {cam.width}x{cam.height} is not positive", where)
+        problem = image_size_problem(cam.width, cam.height)
+        if problem:
+            raise ColmapError(cam_file, problem, where)
         if not np.isfinite(cam.params).all():
             raise ColmapError(cam_file, f"non-finite parameters {cam.params.tolist()}", where)
         if (focal_lengths(cam) <= 0).any():

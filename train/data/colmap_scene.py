@@ -7,6 +7,7 @@ import numpy as np
 
 from train.data.colmap import ColmapCamera, read_colmap
 from train.data.errors import ColmapError, ImageError
+from train.data.fileio import inside
 from train.data.intrinsics import Intrinsics
 from train.data.views import RawScene, View, camera_box
 
@@ -30,11 +31,17 @@ def colmap_intrinsics(camera: ColmapCamera, cameras_file: Path) -> Intrinsics:
     return Intrinsics(*(float(p[i]) for i in pinhole), camera.width, camera.height, tuple(dist))
 
 
-def read_colmap_scene(data_dir: Path) -> RawScene:
+def read_colmap_scene(data_dir: Path, allow_external: bool = False) -> RawScene:
+    """allow_external: follow image names that lead out of the image folder."""
     model = read_colmap(data_dir)
     image_root = data_dir / "images"
     if not image_root.is_dir():
         raise ImageError(image_root, "image folder is missing (COLMAP datasets keep their images in images/)")
+    for img in model.images.values():
+        if not allow_external and not inside(image_root, img.name):
+            raise ColmapError(model.files["images"], f"image name {img.name!r} lies outside the image folder "
+                              f"{image_root} (pass --allow-external-images to follow it)",
+                              f"{img.origin} (image {img.image_id})")
     intrinsics = {cid: colmap_intrinsics(cam, model.files["cameras"]) for cid, cam in model.cameras.items()}
     views = [View(img.name, img.image_id, img.viewmat, intrinsics[img.camera_id], image_root, img.name)
              for img in model.images.values()]

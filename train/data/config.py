@@ -23,6 +23,9 @@ class DataConfig:
         wrongly sized image fails at once and not hours into training. Headers only, no pixels.
     random_points: how many points a scene without a point cloud starts from (uniform in its bounds).
     seed: seeds that random initialisation.
+    allow_external_images: follow image paths that lead out of the dataset (a transforms.json's
+        file_path or ply_file_path outside its folder, a COLMAP image name outside images/:
+        absolute, or climbing out with '..'); refused by default.
     """
 
     data_factor: int = 1
@@ -34,6 +37,7 @@ class DataConfig:
     check_images: bool = True
     random_points: int = 100_000
     seed: int = 0
+    allow_external_images: bool = False
 
     def __post_init__(self) -> None:
         if int(self.data_factor) != self.data_factor or self.data_factor < 1:

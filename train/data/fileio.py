@@ -8,6 +8,12 @@ from pathlib import Path
 from train.data.errors import DatasetError
 
 
+def inside(folder: Path, name: str) -> bool:
+    """Whether `folder / name` stays inside `folder` as written (no absolute path, no climbing out
+    with '..'). Lexical, not resolved: a dataset may keep its images behind a symlink."""
+    return os.path.normpath(folder / name).startswith(os.path.join(os.path.normpath(folder), ""))
+
+
 def read_bytes(path: Path, error: type[DatasetError]) -> bytes:
     try:
         return path.read_bytes()

@@ -13,6 +13,20 @@ import numpy as np
 # COLMAP's clip on how much the undistorted image may shrink or grow.
 _MIN_SCALE, _MAX_SCALE = 0.2, 2.0
 
+# The largest image side a camera may declare. Sizes come from headers (cameras.txt, transforms.json,
+# image files) and per-pixel arrays are allocated from them, so a corrupt one must be refused before
+# anything is allocated: a 65,536-pixel side is beyond any camera, and its float image is already 48 GiB.
+MAX_IMAGE_SIDE = 65_536
+
+
+def image_size_problem(width: int, height: int) -> str | None:
+    """Why a declared image size is unusable, or None if it is fine."""
+    if width <= 0 or height <= 0:
+        return f"image size {width}x{height} is not positive"
+    if width > MAX_IMAGE_SIDE or height > MAX_IMAGE_SIDE:
+        return f"image size {width}x{height} exceeds the maximum of {MAX_IMAGE_SIDE:,} pixels a side"
+    return None
+
 
 @dataclass(frozen=True)
 class Intrinsics:

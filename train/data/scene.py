@@ -77,9 +77,9 @@ def _scene_scale(cameras: list[Camera]) -> float:
     return 1.1 * radius if radius > 0 else 1.0  # one camera (or all at one spot): no spread to measure
 
 
-def _read_raw(path: Path) -> RawScene:
+def _read_raw(path: Path, cfg: DataConfig) -> RawScene:
     if transforms_file(path).is_file():
-        return read_transforms_scene(path)
+        return read_transforms_scene(path, cfg.allow_external_images)
     if path.suffix == ".json":
         raise DatasetError(path, "transforms file is missing")
     if not path.is_dir():
@@ -88,7 +88,7 @@ def _read_raw(path: Path) -> RawScene:
         find_sparse_dir(path)
     except DatasetError:
         raise DatasetError(path, "neither a COLMAP dataset (sparse/0/, sparse/) nor a transforms.json") from None
-    return read_colmap_scene(path)
+    return read_colmap_scene(path, cfg.allow_external_images)
 
 
 def _image_source(view: View, cfg: DataConfig) -> ImageSource:
@@ -125,7 +125,7 @@ def load_scene(path: str | Path, cfg: DataConfig = DataConfig()) -> SceneData:
 
     Raises a `DatasetError` subclass naming the file (and line or record) for any bad input.
     """
-    raw = _read_raw(Path(path))
+    raw = _read_raw(Path(path), cfg)
     views = sorted(raw.views, key=lambda v: v.name)
     cameras = [_camera(v, cfg) for v in views]
     if cfg.check_images:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from train.data.errors import TransformsError
-from train.data.fileio import read_text
+from train.data.fileio import inside, read_text
 from train.data.images import image_size
-from train.data.intrinsics import Intrinsics
+from train.data.intrinsics import Intrinsics, image_size_problem
 from train.data.views import RawScene, View, camera_box
 
 _INTRINSIC_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h", "camera_angle_x", "camera_angle_y",
@@ -40,6 +40,12 @@ def _number(file: Path, where: str, key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TransformsError(file, f"{key} must be a finite number, got {value!r}", where)
     return float(value)
+
+
+def _check_inside(file: Path, where: str, key: str, name: str, allow_external: bool) -> None:
+    if not allow_external and not inside(file.parent, name):
+        raise TransformsError(file, f"{key} {name!r} lies outside the dataset folder {file.parent} "
+                              "(pass --allow-external-images to follow it)", where)
 
 
 def _image_path(base: Path, file_path: str) -> Path | None:
@@ -79,6 +85,12 @@ def _intrinsics(file: Path, where: str, meta: dict, frame: dict, image: Path) ->
         w, h = int(values["w"]), int(values["h"])
     else:
         w, h = image_size(image)
+    problem = image_size_problem(w, h)
+    if problem:
+        raise TransformsError(file, problem, where)
+    for key in ("camera_angle_x", "camera_angle_y"):
+        if key in values and not 0.0 < values[key] < math.pi:
+            raise TransformsError(file, f"{key} must be a field of view in (0, pi) radians, got {values[key]!r}", where)
     if "fl_x" in values:
         fx = values["fl_x"]
     elif "camera_angle_x" in values:
@@ -93,8 +105,6 @@ def _intrinsics(file: Path, where: str, meta: dict, frame: dict, image: Path) ->
         fy = fx
     if fx <= 0 or fy <= 0:
         raise TransformsError(file, f"focal length ({fx}, {fy}) is not positive", where)
-    if w <= 0 or h <= 0:
-        raise TransformsError(file, f"image size {w}x{h} is not positive", where)
     dist = tuple(values.get(k, 0.0) for k in ("k1", "k2", "p1", "p2", "k3"))
     return Intrinsics(fx, fy, values.get("cx", w / 2.0), values.get("cy", h / 2.0), w, h, dist)
 
@@ -115,7 +125,8 @@ def _read_ply(file: Path, ply_path: Path) -> tuple[np.ndarray, np.ndarray]:  # [
     return xyz, rgb
 
 
-def read_transforms_scene(path: Path) -> RawScene:
+def read_transforms_scene(path: Path, allow_external: bool = False) -> RawScene:
+    """allow_external: follow file_path / ply_file_path values outside the dataset folder."""
     file = transforms_file(path)
     try:
         meta = json.loads(read_text(file, TransformsError))
@@ -134,6 +145,7 @@ def read_transforms_scene(path: Path) -> RawScene:
             raise TransformsError(file, "frame is not an object with a file_path string", where)
         where = f"frames[{i}] ({frame['file_path']})"
         viewmat = _pose(file, where, frame)
+        _check_inside(file, where, "file_path", frame["file_path"], allow_external)
         image = _image_path(file.parent, frame["file_path"])
         if image is None:
             missing.append(frame["file_path"])
@@ -149,12 +161,17 @@ def read_transforms_scene(path: Path) -> RawScene:
     if len(set(names)) != len(names):
         raise TransformsError(file, "two frames name the same file_path")
     if "ply_file_path" in meta:
+        _check_inside(file, "ply_file_path", "ply_file_path", str(meta["ply_file_path"]), allow_external)
         points, colors = _read_ply(file, file.parent / str(meta["ply_file_path"]))
     else:
         points, colors = np.zeros((0, 3)), np.zeros((0, 3), np.uint8)
     if "aabb_scale" in meta:
         scale = _number(file, "scale", "scale", meta.get("scale", _NGP_SCALE))
-        half = _number(file, "aabb_scale", "aabb_scale", meta["aabb_scale"]) / (2.0 * scale)
+        aabb_scale = _number(file, "aabb_scale", "aabb_scale", meta["aabb_scale"])
+        if not (aabb_scale > 0 and scale > 0):
+            raise TransformsError(file, f"aabb_scale {aabb_scale!r} and scale {scale!r} must be positive "
+                                  "(random points fill a box aabb_scale / scale wide)")
+        half = aabb_scale / (2.0 * scale)
         box = np.array([[-half] * 3, [half] * 3])
     else:
         box = camera_box(views)

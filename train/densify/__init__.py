@@ -14,7 +14,7 @@ from train.densify import mcmc
 from train.densify.config import STRATEGIES, ConfigError, DensifyConfig
 from train.densify.default import refines_at, resets_at
 from train.densify.keyed import NOISE, RELOCATE, keyed_generator
-from train.densify.refine import RefineReport, Refiner
+from train.densify.refine import Prepare, RefineReport, Refiner
 from train.exchange import Exchange
 from train.region import Ownership
 
@@ -33,13 +33,14 @@ class Densifier:
     would), and every owned block where a rule could change for a block nobody looked at: the
     first refinement, and the first after the too-large pruning starts (step > reset_every).
     Elsewhere a block without statistics could only be pruned, and it was not at the last
-    refinement with the same parameters. An opacity reset covers every owned block. MCMC
+    refinement with the same parameters, unless they changed unseen: under dense Adam
+    (`every_block`) every Gaussian moves every step, so every refinement covers every owned block. An opacity reset covers every owned block. MCMC
     covers every owned block: its draw is over the whole scene."""
 
     def __init__(self, cfg: DensifyConfig, store, cache, exchange: Exchange, scene_scale: float, seed: int,
-                 pending: set[str]) -> None:
-        self.cfg, self.seed = cfg, seed
-        self.refiner = Refiner(store, cache, exchange, cfg, scene_scale, seed)
+                 pending: set[str], prepare: Prepare | None = None, every_block: bool = False) -> None:
+        self.cfg, self.seed, self.every_block = cfg, seed, every_block
+        self.refiner = Refiner(store, cache, exchange, cfg, scene_scale, seed, prepare)
         self.pending = set(pending)  # blocks with statistics since the last refinement
         refining = [s for s in range(cfg.refine_start_iter + 1, cfg.stop_iter) if self._refines(s)]
         self._full = {s for s in (refining[:1] + [s for s in refining if s > cfg.reset_every][:1])}
@@ -72,9 +73,9 @@ class Densifier:
             return self._mcmc(step, owned, ownership)
         reset = resets_at(step, self.cfg)
         if not refines_at(step, self.cfg):
-            self.refiner.reset(owned)
+            self.refiner.reset(step, owned)
             return None
-        keys = owned if step in self._full else [k for k in owned if k in self.pending]
+        keys = owned if self.every_block or step in self._full else [k for k in owned if k in self.pending]
         report = self.refiner.refine(step, keys, ownership, reset)
         self.pending.clear()
         return report
@@ -86,6 +87,7 @@ class Densifier:
         mine = {}
         for i, key in enumerate(owned):
             refiner.cache.prefetch(owned[i + 1 : i + 5])
+            refiner.prepare(key, step + 1)
             mine[key] = mcmc.summarize(refiner.cache.get(key).tensors, cfg)
         every = {k: v for part in refiner.exchange.allgather(mine) for k, v in part.items()}
         table = refiner.store.table

@@ -40,6 +40,14 @@ from train.region import Ownership
 _HEADER = 5  # int64 per travelling row: final block (depth, code), kind, source block's Morton rank, source row
 _PREFETCH = 4  # blocks read ahead while one is refined
 
+# Called with (block key, steps done) before a refinement reads a block's values: the trainer's
+# dense Adam brings the block's rows up to date there.
+Prepare = Callable[[str, int], None]
+
+
+def _as_is(key: str, done: int) -> None:
+    """No preparation: the blocks in the cache are current."""
+
 
 @dataclass
 class RefineReport:
@@ -75,19 +83,22 @@ class Refiner:
     """Refines the blocks a rank owns; `store`, `cache`, `exchange` and `ownership` are the
     trainer's, read at every call (the trainer replaces the ownership after a rebalance)."""
 
-    def __init__(self, store, cache, exchange: Exchange, cfg: DensifyConfig, scene_scale: float, seed: int) -> None:
+    def __init__(self, store, cache, exchange: Exchange, cfg: DensifyConfig, scene_scale: float, seed: int,
+                 prepare: Prepare | None = None) -> None:
         self.store, self.cache, self.exchange, self.cfg = store, cache, exchange, cfg
         self.scene_scale, self.seed = scene_scale, seed
+        self.prepare = prepare or _as_is
         octree = store.attrs["octree"]
         self.root = RootCube.from_attrs(octree)
         self.max_depth = int(octree["max_depth"])
         self.cap = int(cfg.max_per_block or octree["max_per_block"])
         self._row_bytes = bytes_per_gaussian(store.sh_degree)
 
-    def reset(self, keys: list[str]) -> None:
+    def reset(self, step: int, keys: list[str]) -> None:
         """Clamp every owned block's opacities (gsplat's reset), streamed through the cache."""
         for i, key in enumerate(keys):
             self.cache.prefetch(keys[i + 1 : i + 1 + _PREFETCH])
+            self.prepare(key, step + 1)
             reset_opacities(self.cache.get(key).tensors, self.cfg.prune_opa)
             self.cache.mark_dirty(key)
 
@@ -118,7 +129,7 @@ class Refiner:
             self._put(key, stays)  # (an empty block is dropped)
         if reset:
             refined = set(keys)
-            self.reset([k for k in ownership.keys_of(table, self.exchange.rank) if k not in refined])
+            self.reset(step, [k for k in ownership.keys_of(table, self.exchange.rank) if k not in refined])
 
         # 2. plan
         parts = self.exchange.allgather(({k: grown[k] for k in keys}, dict(arrivals)))
@@ -171,6 +182,7 @@ class Refiner:
               grow: Callable[[str, Block], Grown] | None) -> Block:
         self.cache.pin([key])
         try:
+            self.prepare(key, step + 1)
             tensors = self.cache.get(key).tensors
             if grow is None:
                 grown = refine_block(tensors, step, self.cfg, self.scene_scale,

@@ -111,9 +111,10 @@ def project_batch(splats: dict[str, Tensor], views: list[View], sh_degree: int, 
 
 
 def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[float] | None = None,
-              backend: Backend = "cpu") -> RasterOutput:
+              backend: Backend = "cpu", absgrad: bool = False) -> RasterOutput:
     """Composite `splats2d` front to back into camera's image; differentiable w.r.t. means2d,
-    conics, opacities and colors. background: [3] or None (black)."""
+    conics, opacities and colors. background: [3] or None (black). absgrad: also sum the absolute
+    per-pixel 2D mean gradients in the backward (`RasterOutput.absgrad`)."""
     device = splats2d.means2d.device
     _check_backend(backend, device, "the splats")
     splats2d.check()
@@ -121,10 +122,10 @@ def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[
     if backend == "cuda":
         from train.render.cuda import rasterize_cuda  # importing gsplat takes seconds; CPU runs skip it
 
-        return rasterize_cuda(splats2d, camera.width, camera.height, bg)
+        return rasterize_cuda(splats2d, camera.width, camera.height, bg, absgrad)
     if device.type != "cpu":
         raise RenderError(f"backend 'cpu' rasterizes CPU tensors, got splats on {device}")
-    return rasterize_cpu(splats2d, camera.width, camera.height, bg)
+    return rasterize_cpu(splats2d, camera.width, camera.height, bg, absgrad)
 
 
 def render(splats: dict[str, Tensor], camera: Camera, sh_degree: int,

@@ -37,22 +37,27 @@ def project_cuda(splats: dict[str, Tensor], camera: Camera, sh_degree: int) -> S
     return Splats2D(means2d, conics, depths.detach(), opacities[ids], colors, radii.to(torch.int32), ids)
 
 
-def rasterize_cuda(splats: Splats2D, width: int, height: int, background: Tensor) -> RasterOutput:
+def rasterize_cuda(splats: Splats2D, width: int, height: int, background: Tensor,
+                   absgrad: bool = False) -> RasterOutput:
     device = splats.means2d.device
     if len(splats) == 0:  # gsplat's kernels do not take empty inputs
         return RasterOutput(background.expand(height, width, 3).clone(),
                             torch.zeros(height, width, 1, device=device),
                             torch.zeros(0, dtype=torch.bool, device=device),
-                            torch.full((height, width), float("inf"), device=device))
+                            torch.full((height, width), float("inf"), device=device),
+                            (lambda: torch.zeros(0, 2, device=device)) if absgrad else None)
     tiles_x, tiles_y = math.ceil(width / TILE_SIZE), math.ceil(height / TILE_SIZE)
     _, isect_ids, flat_ids = isect_tiles(splats.means2d[None].detach(), splats.radii[None], splats.depths[None],
                                          TILE_SIZE, tiles_x, tiles_y)
     offsets = isect_offset_encode(isect_ids, 1, tiles_x, tiles_y)  # [1, tiles_y, tiles_x]
-    rgb, alpha = rasterize_to_pixels(splats.means2d[None], splats.conics[None], splats.colors[None],
+    means2d = splats.means2d[None]  # gsplat's backward sets .absgrad on this tensor
+    rgb, alpha = rasterize_to_pixels(means2d, splats.conics[None], splats.colors[None],
                                      splats.opacities[None], width, height, TILE_SIZE, offsets, flat_ids,
-                                     backgrounds=background[None])
+                                     backgrounds=background[None], absgrad=absgrad)
     bounds = torch.cat([offsets.reshape(-1).to(torch.int64), torch.tensor([len(flat_ids)], device=device)])
     contributed, sat_depth = tile_visibility(splats.means2d.detach(), splats.conics.detach(),
                                              splats.opacities.detach(), splats.depths, bounds, flat_ids,
                                              width, height)
-    return RasterOutput(rgb[0], alpha[0], contributed, sat_depth)
+    m = len(splats)
+    read = (lambda: means2d.absgrad[0] if hasattr(means2d, "absgrad") else torch.zeros(m, 2, device=device))
+    return RasterOutput(rgb[0], alpha[0], contributed, sat_depth, read if absgrad else None)

@@ -11,9 +11,8 @@ from torch import Tensor
 
 from train.camera import Camera
 from train.render.errors import RenderError
-from train.render.semantics import num_sh_bases
+from train.render.semantics import SH_C0, num_sh_bases
 
-SH_C0 = 0.28209479177387814  # the degree-0 basis: colour = SH_C0 * sh0 + 0.5
 _GARDEN_KEYS = ("means3d", "colors", "viewmats", "Ks", "width", "height")
 
 

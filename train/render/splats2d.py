@@ -7,6 +7,7 @@ rasterizer differentiates: means2d 2, conics 3, opacities 1, colors 3).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -119,3 +120,6 @@ class RasterOutput:
     alpha: Tensor  # [H, W, 1]
     contributed: Tensor  # [M] bool: passed alpha >= 1/255 before termination at some pixel
     sat_depth: Tensor  # [H, W] depth of the splat that took transmittance below 1e-4; inf if none did
+    # Where asked for (`rasterize(..., absgrad=True)`): after the backward, [M, 2] the sum over
+    # pixels of the absolute per-pixel gradient of each 2D mean component (gsplat's `absgrad`).
+    absgrad: Callable[[], Tensor] | None = None

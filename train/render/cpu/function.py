@@ -23,7 +23,8 @@ def _array(t: Tensor) -> np.ndarray:
 class _Rasterize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d: Tensor, conics: Tensor, opacities: Tensor, colors: Tensor,
-                depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor):
+                depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor,
+                absgrad: list | None):
         records = splat_records(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths))
         bins = bin_tiles(records, radii.detach().to(torch.int32).contiguous().numpy(), width, height)
         records = bins.records  # in depth order: the kernels index these, and results map back by bins.order
@@ -37,7 +38,7 @@ class _Rasterize(torch.autograd.Function):
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x, kernels.LANES,
                             rgb, t_final, stop, sat_depth, tile_end, contributed)
-        ctx.state = (bins, bg, t_final, stop, tile_end, width, height)
+        ctx.state = (bins, bg, t_final, stop, tile_end, width, height, absgrad)
         contributed_t = torch.from_numpy(bins.to_rows(contributed)).to(torch.bool)
         sat_t = torch.from_numpy(sat_depth)
         ctx.mark_non_differentiable(contributed_t, sat_t)
@@ -46,19 +47,28 @@ class _Rasterize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
-        bins, bg, t_final, stop, tile_end, width, height = ctx.state
+        bins, bg, t_final, stop, tile_end, width, height, absgrad = ctx.state
         grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
+        absgrads = np.zeros((bins.n_isects if absgrad is not None else 0, 2), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.backward(bins.offsets, bins.gids, bins.records, bg, width, height,
                              bins.tiles_x, kernels.LANES, t_final, stop, tile_end, _array(v_rgb),
-                             _array(v_alpha[..., 0]), grads)
+                             _array(v_alpha[..., 0]), grads, absgrads, absgrad is not None)
         per_splat = torch.from_numpy(kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order))
-        return (*unpack_grads(per_splat), None, None, None, None, None)
+        if absgrad is not None:
+            absgrad.append(torch.from_numpy(kernels.reduce_grads(absgrads, bins.hit_starts, bins.hit_slots,
+                                                                 bins.order)))
+        return (*unpack_grads(per_splat), None, None, None, None, None, None)
 
 
-def rasterize_cpu(splats: Splats2D, width: int, height: int, background: Tensor) -> RasterOutput:
-    """background: [3] float32 on the CPU."""
+def rasterize_cpu(splats: Splats2D, width: int, height: int, background: Tensor,
+                  absgrad: bool = False) -> RasterOutput:
+    """background: [3] float32 on the CPU. absgrad: the backward also sums absolute per-pixel
+    2D mean gradients, read after it with `RasterOutput.absgrad()`."""
+    box: list[Tensor] | None = [] if absgrad else None  # the backward appends [M, 2]
     rgb, alpha, contributed, sat_depth = _Rasterize.apply(
         splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths, splats.radii,
-        width, height, background)
-    return RasterOutput(rgb, alpha, contributed, sat_depth)
+        width, height, background, box)
+    m = len(splats)
+    return RasterOutput(rgb, alpha, contributed, sat_depth,
+                        None if box is None else lambda: box[-1] if box else torch.zeros(m, 2))

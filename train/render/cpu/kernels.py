@@ -268,13 +268,23 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                     sat_depth[y0 + yy, x0 + xx] = local[stop_at[p], DEPTH]
 
 
+@njit(inline="always", fastmath=True)
+def _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy):  # -> ab with |pixel p's 2D mean gradient| added
+    """AbsGS's statistic: the sum over pixels of each component's absolute per-pixel gradient of
+    the 2D mean (d sigma / d mean = (a dx + b dy, b dx + c dy))."""
+    sx, sy = v_sig * dx, v_sig * dy
+    return ab[0] + abs(ca * sx + cb * sy), ab[1] + abs(cb * sx + cc * sy)
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
-             t_final, stop, tile_end, v_rgb, v_alpha, grads):
+             t_final, stop, tile_end, v_rgb, v_alpha, grads, absgrads, want_abs):
     """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
     (rows of entries past a tile's last contributor are left as they are: zero). Rows are written
     as the tiles walk their lists, not where their splat's other rows are: scattered writes into
-    the grads array cost a quarter of this kernel's time.
+    the grads array cost a quarter of this kernel's time. With want_abs, absgrads [n_isects, 2]
+    gets the sums of absolute per-pixel 2D mean gradients (gsplat's `absgrad`) the same way; the
+    loops then carry that sum (a separate pair of loops, so the default's are unchanged).
 
     With T_k the transmittance in front of splat k, c_k its colour, v the pixel's colour gradient
     and B_k = sum_{j > k} alpha_j T_j (c_j . v) + T_final (background . v), gsplat's
@@ -307,16 +317,35 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
             bounded = local[k, HALF_Y] < DEGENERATE
             kf = np.float32(k)
             acc = (_ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO)
+            ab = (_ZERO, _ZERO)
             xa, xb, ya, yb = tile_box(local[k, HALF_X], local[k, HALF_Y], mx, my, w, h)
             for half in range(xa // _HALF_W, (xb + _HALF_W - 1) // _HALF_W):
                 base = np.uint64(half * _HALF_PIX + ya * _HALF_W)
                 if _steps_safely(bounded, ca, cb, cc, mx, my, half, ya, yb):
                     step = _first_row(buf, base, lanes, mx, my, ca, cb, cc)
+                    if want_abs:
+                        for q in range((yb - ya) * _HALF_W):
+                            p = base + np.uint64(q)
+                            dx, dy, vis = _stepped(buf, p, mx, my, step)
+                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                            ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
+                            buf[_BEHIND + p] += fac * c_dot_v
+                    else:
+                        for q in range((yb - ya) * _HALF_W):
+                            p = base + np.uint64(q)
+                            dx, dy, vis = _stepped(buf, p, mx, my, step)
+                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                            buf[_BEHIND + p] += fac * c_dot_v
+                elif want_abs:
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
-                        dx, dy, vis = _stepped(buf, p, mx, my, step)
-                        v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                        dx, dy = mx - buf[_X + p], my - buf[_Y + p]
+                        sig = _sigma(ca, cb, cc, dx, dy)
+                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
                         acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                        ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
                         buf[_BEHIND + p] += fac * c_dot_v
                 else:
                     for q in range((yb - ya) * _HALF_W):
@@ -327,6 +356,8 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
                         buf[_BEHIND + p] += fac * c_dot_v
             i = start + k
+            if want_abs:
+                absgrads[i, 0], absgrads[i, 1] = ab
             m_x, m_y, m_xx, m_xy, m_yy, g_o, g_r, g_g, g_b = acc
             grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
             grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
@@ -334,16 +365,16 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def reduce_grads(grads, hit_starts, hit_slots, order):  # -> [m, 9] by the input's rows
+def reduce_grads(grads, hit_starts, hit_slots, order):  # grads [n_isects, C] -> [m, C] by the input's rows
     """Sum each record's intersection rows: record i owns the rows hit_slots[hit_starts[i]:
     hit_starts[i + 1]], so records are summed in parallel without write conflicts, into the
     input's row order[i]."""
-    m = order.size
-    out = np.zeros((m, GRAD_COLS), np.float32)
+    m, cols = order.size, grads.shape[1]
+    out = np.zeros((m, cols), np.float32)
     for i in prange(m):
         g = order[i]
         for j in range(hit_starts[i], hit_starts[i + 1]):
             row = hit_slots[j]
-            for col in range(GRAD_COLS):
+            for col in range(cols):
                 out[g, col] += grads[row, col]
     return out

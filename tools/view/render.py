@@ -1,0 +1,187 @@
+"""Server-side rendering of one camera by paging only the blocks in its frustum.
+
+The visible blocks (Morton order, the order the trainer gathers them in) are projected in
+groups that fit half the cache budget, so a view of more blocks than the budget holds still
+renders: only the 2D splats of all groups are kept, and one rasterization composites them. A
+block that fails to read (corrupt, or collected by a trainer's commit) is named and skipped."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from storage import CacheBudgetError, Store, StoreError
+from storage.cache import BlockCache, param_bytes_per_gaussian
+from storage.schema import PARAM_NAMES
+from train.camera import Camera
+from train.region import Region
+from train.render import RenderError, project, rasterize
+from train.render.splats2d import Splats2D
+from tools.view.config import ViewError
+
+
+_RETRIES = 5
+
+
+class _CommitMoved(Exception):
+    """A block of the frame's commit vanished because a newer commit was made."""
+
+
+class FrameCancelled(Exception):
+    """`render` gave up on a frame because its caller no longer wants it (the camera moved on)."""
+
+
+@dataclass
+class FrameStats:
+    """What one frame cost and paged."""
+
+    seconds: float = 0.0
+    width: int = 0
+    height: int = 0
+    blocks: int = 0  # blocks in the view frustum that were rendered
+    gaussians: int = 0  # Gaussians in those blocks
+    splats: int = 0  # of those, the ones that landed in the image
+    paged_in: int = 0  # blocks read from the store for this frame (the rest were resident)
+    bytes_read: int = 0  # tensor bytes read from the store for this frame
+    skipped: list[str] = field(default_factory=list)  # blocks that could not be read
+    restarts: int = 0  # times the frame started over because a newer commit collected its blocks
+
+    def summary(self) -> str:
+        text = (f"{self.width}x{self.height} in {self.seconds * 1e3:.0f} ms: {self.blocks} blocks, "
+                f"{self.gaussians:,} Gaussians ({self.splats:,} splats), paged in {self.paged_in} blocks "
+                f"({self.bytes_read / 2**20:.1f} MiB)")
+        return text + (f", skipped {len(self.skipped)} unreadable" if self.skipped else "")
+
+
+class FrustumRenderer:
+    """Renders `store`'s current commit through a params-only block cache of `budget_bytes`."""
+
+    def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
+                 background: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ViewError("--device cuda asked for, but torch sees no CUDA device")
+        self.store = store
+        self.budget = budget_bytes
+        self.device = torch.device(device)
+        self.backend = "cuda" if device == "cuda" else "cpu"
+        self.background = torch.tensor(background, dtype=torch.float32, device=self.device)
+        self.bad: dict[str, str] = {}  # key -> why it could not be read (reported once, then skipped)
+        self._head: int | None = None
+        self.cache: BlockCache | None = None
+        self.region: Region | None = None
+        self._sync()
+
+    def _sync(self) -> None:
+        """A new commit: blocks resident from the old one may be stale, so the cache starts over."""
+        if self._head == self.store.head and self.cache is not None:
+            return
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = BlockCache(self.store, self.budget, self.device, params_only=True)
+        self.region = Region.from_table(self.store.table)
+        self._head = self.store.head
+        self.bad = {}
+
+    def visible(self, camera: Camera) -> list[str]:
+        """Blocks whose extent box meets the camera's frustum, in Morton order."""
+        self._sync()
+        assert self.region is not None
+        return self.region.visible(camera)
+
+    def render(self, camera: Camera, cancelled: Callable[[], bool] = lambda: False
+               ) -> tuple[Tensor, FrameStats]:  # rgb [H, W, 3] float in [0, 1]
+        """One frame, all of it from one commit: a trainer committing meanwhile may collect the
+        versions this frame is reading; then the frame starts over from the newer commit.
+        `cancelled` is asked between groups of blocks; when it says so, FrameCancelled is raised
+        (a view of everything takes seconds, and the browser may have moved on)."""
+        for attempt in range(_RETRIES):
+            try:
+                rgb, stats = self._render(camera, cancelled)
+                stats.restarts = attempt
+                return rgb, stats
+            except _CommitMoved:
+                continue
+        raise ViewError(f"store {self.store.name}: commits followed each other faster than one frame rendered "
+                        f"({_RETRIES} tries); try again")
+
+    @torch.no_grad()
+    def _render(self, camera: Camera, cancelled: Callable[[], bool]) -> tuple[Tensor, FrameStats]:
+        start = time.perf_counter()
+        keys = [k for k in self.visible(camera) if k not in self.bad]
+        assert self.cache is not None
+        stats = FrameStats(width=camera.width, height=camera.height)
+        misses, read = self.cache.stats.misses, self.cache.stats.bytes_read
+        parts = []
+        for group in self._groups(keys):
+            if cancelled():
+                raise FrameCancelled
+            blocks = self._pin(group, stats)
+            try:
+                if blocks:
+                    splats = {n: torch.cat([b[n] for b in blocks.values()]) for n in PARAM_NAMES}
+                    stats.blocks += len(blocks)
+                    stats.gaussians += int(splats["means"].shape[0])
+                    try:
+                        parts.append(project(splats, camera, self.store.sh_degree, self.backend))
+                    except RenderError as e:  # the store checks what it writes; this is a last line
+                        raise ViewError(f"store {self.store.name}, blocks {', '.join(blocks)}: {e}") from e
+            finally:
+                self.cache.unpin(blocks)
+        s = Splats2D.cat(parts) if parts else Splats2D.empty(self.device)
+        stats.splats = len(s)
+        rgb = rasterize(s, camera, self.background, self.backend).rgb.clamp(0, 1)
+        stats.paged_in = self.cache.stats.misses - misses
+        stats.bytes_read = self.cache.stats.bytes_read - read
+        stats.seconds = time.perf_counter() - start
+        return rgb, stats
+
+    def _groups(self, keys: list[str]) -> list[list[str]]:
+        """Consecutive runs of blocks whose parameters fit half the budget together (the other half
+        lets the next group's loads evict this one's without waiting)."""
+        per_row = param_bytes_per_gaussian(self.store.sh_degree)
+        groups: list[list[str]] = [[]]
+        size = 0
+        for k in keys:
+            nbytes = self.store.table[k].count * per_row
+            if groups[-1] and size + nbytes > self.budget // 2:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += nbytes
+        return [g for g in groups if g]
+
+    def _pin(self, keys: list[str], stats: FrameStats) -> dict[str, dict[str, Tensor]]:
+        """Load and pin the readable blocks of a group; an unreadable one is named once and skipped."""
+        assert self.cache is not None
+        blocks = {}
+        try:
+            for k in keys:
+                try:
+                    (block,) = self.cache.pin([k])
+                except CacheBudgetError as e:
+                    raise ViewError(f"{e}: give the viewer a larger --cache-mb") from e
+                except (StoreError, OSError, ValueError) as e:  # zarr and numcodecs raise their own on damaged chunks
+                    head = self.store.head
+                    try:
+                        self.store.refresh()
+                    except StoreError as again:
+                        raise ViewError(str(again)) from again
+                    if self.store.head != head:
+                        raise _CommitMoved from e
+                    self.bad[k] = str(e)
+                    stats.skipped.append(k)
+                    print(f"warning: skipping block {k}: {e}", file=sys.stderr, flush=True)
+                    continue
+                blocks[k] = block.tensors
+        except BaseException:
+            self.cache.unpin(blocks)
+            raise
+        return blocks
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
