@@ -34,8 +34,9 @@ class Densifier:
     first refinement, and the first after the too-large pruning starts (step > reset_every).
     Elsewhere a block without statistics could only be pruned, and it was not at the last
     refinement with the same parameters, unless they changed unseen: under dense Adam
-    (`every_block`) every Gaussian moves every step, so every refinement covers every owned block. An opacity reset covers every owned block. MCMC
-    covers every owned block: its draw is over the whole scene."""
+    (`every_block`) every Gaussian moves every step, so every refinement covers every owned
+    block. An opacity reset covers every owned block. MCMC covers every owned block: its draw is
+    over the whole scene."""
 
     def __init__(self, cfg: DensifyConfig, store, cache, exchange: Exchange, scene_scale: float, seed: int,
                  pending: set[str], prepare: Prepare | None = None, every_block: bool = False) -> None:
