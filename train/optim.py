@@ -203,7 +203,6 @@ class LazyDense:
         self.table = np.array([[lrs[x] for x in PARAM_NAMES]
                                for lrs in (learning_rates(cfg, s, steps, scene_scale) for s in range(steps))],
                               dtype=np.float64).reshape(steps, len(PARAM_NAMES))
-        self._table_t = torch.from_numpy(self.table)
 
     @torch.no_grad()
     def catch_up(
@@ -229,7 +228,7 @@ class LazyDense:
                 for j, name in enumerate(PARAM_NAMES):
                     p = block[name]
                     _adam_rows_torch(p, torch.zeros_like(p), block[f"exp_avg_{name}"], block[f"exp_avg_sq_{name}"],
-                                     rows, at, float(self._table_t[s - 1, j]), b1, b2, eps)
+                                     rows, at, float(self.table[s - 1, j]), b1, b2, eps)
             step.clamp_(min=done)
         return behind
 

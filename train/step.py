@@ -26,7 +26,7 @@ from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
 from train.losses import photometric_loss, psnr
-from train.optim import AdamConfig, AdamStep, SparseAdam, numpy_arrays
+from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
@@ -284,11 +284,20 @@ def backprop_owned(projected: Projected, back: dict[int, Back], mode: str) -> Ba
     return Backprop(back, stepped)
 
 
+def catch_up_block(lazy: LazyDense, cache, key: str, done: int) -> int:
+    """Dense Adam: the cached block `key`'s rows take the steps they missed, up to `done` (the
+    block is marked dirty if any did); returns how many rows were behind."""
+    block = cache.get(key)
+    behind = lazy.catch_up(block.tensors, done, block.arrays(numpy_arrays))
+    if behind:
+        cache.mark_dirty(key)
+    return behind
+
+
 def catch_up(paged: Paged, cache, adam_step: AdamStep) -> None:
     """Dense Adam: every row of the step's blocks takes the steps it missed before this one."""
     for k in paged.keys:
-        if adam_step.lazy.catch_up(paged.tensors[k], adam_step.number - 1, paged.cached[k].arrays(numpy_arrays)):
-            cache.mark_dirty(k)
+        catch_up_block(adam_step.lazy, cache, k, adam_step.number - 1)
 
 
 def all_stepped_finite(projected: Projected, rendered: Rendered, bp: Backprop) -> bool:

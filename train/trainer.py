@@ -23,12 +23,12 @@ from train.data import DataConfig, load_scene
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, write_config
-from train.optim import AdamConfig, AdamStep, LazyDense, learning_rates, numpy_arrays
+from train.optim import AdamConfig, AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
 from train.schedule import Schedule
 from train.assign import assign_cameras
 from train.densify import Densifier
-from train.step import COMPUTE_PHASES, StepStats, train_step
+from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
 
 
 class TrainError(RuntimeError):
@@ -300,13 +300,7 @@ class Trainer:
     def catch_up(self, key: str, done: int) -> int:
         """Dense Adam: the owned block `key`'s rows take the steps they missed, up to `done`;
         returns how many rows were behind."""
-        if self.lazy is None:
-            return 0
-        block = self.cache.get(key)
-        behind = self.lazy.catch_up(block.tensors, done, block.arrays(numpy_arrays))
-        if behind:
-            self.cache.mark_dirty(key)
-        return behind
+        return 0 if self.lazy is None else catch_up_block(self.lazy, self.cache, key, done)
 
     def catch_up_all(self, done: int) -> bool:
         """Dense Adam, at the end of a run or slice: every owned block up to date in the store (an
