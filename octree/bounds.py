@@ -21,6 +21,10 @@ def tight_box(means: np.ndarray) -> Box:  # means [N, 3]
 # A box reaches as far as a splat can (`octree.semantics.RADIUS_SIGMAS`), so culling by boxes is exact.
 EXTENT_SIGMA = RADIUS_SIGMAS
 
+# A scale that overflows exp() (an exploding learning rate) reaches everywhere. Its box says so
+# with the largest finite float, so it still culls conservatively and still fits a JSON commit.
+BOX_LIMIT = float(np.finfo(np.float64).max)
+
 
 def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = EXTENT_SIGMA) -> Box:
     """means [N, 3], log_scales [N, 3]: the box holding every Gaussian's sigma-ellipsoid.
@@ -29,7 +33,8 @@ def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = EXTENT_
     """
     if len(means) == 0:
         return EMPTY_BOX
-    r = sigma * np.exp(log_scales.max(axis=1, keepdims=True).astype(np.float64))  # [N, 1]
-    lo = (means - r).min(axis=0)
-    hi = (means + r).max(axis=0)
+    with np.errstate(over="ignore"):
+        r = sigma * np.exp(log_scales.max(axis=1, keepdims=True).astype(np.float64))  # [N, 1]
+    lo = np.maximum((means - r).min(axis=0), -BOX_LIMIT)
+    hi = np.minimum((means + r).max(axis=0), BOX_LIMIT)
     return tuple(float(v) for v in (*lo, *hi))  # type: ignore[return-value]

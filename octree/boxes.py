@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from octree.bounds import EXTENT_SIGMA
+from octree.bounds import BOX_LIMIT, EXTENT_SIGMA
 
 
 def _reduce(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray) -> np.ndarray:  # [N, 3], [N, 3], [B] -> [B, 6]
@@ -22,8 +22,9 @@ def extent_boxes(
     means: np.ndarray, log_scales: np.ndarray, starts: np.ndarray, sigma: float = EXTENT_SIGMA
 ) -> np.ndarray:
     """means [N, 3], log_scales [N, 3] grouped by block -> boxes of every sigma-ellipsoid [B, 6]."""
-    r = sigma * np.exp(log_scales.max(axis=1, keepdims=True).astype(np.float64))  # [N, 1]
-    return _reduce(means - r, means + r, starts)
+    with np.errstate(over="ignore"):
+        r = sigma * np.exp(log_scales.max(axis=1, keepdims=True).astype(np.float64))  # [N, 1]
+    return np.clip(_reduce(means - r, means + r, starts), -BOX_LIMIT, BOX_LIMIT)
 
 
 def point_box_distance(points: np.ndarray, boxes: np.ndarray) -> np.ndarray:  # [N, 3], [B, 6] -> [N, B]

@@ -143,7 +143,7 @@ def group_doc(attributes: dict[str, Any]) -> dict[str, Any]:
 def decode_json(raw: bytes, what: str) -> Any:
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # also: numbers of over 4300 digits, nesting too deep
         raise StoreCorruptError(f"{what} is not valid JSON: {e}") from e
 
 

@@ -10,7 +10,9 @@ Layout (every node is a zarr v3 group or array, so plain `zarr.open_group` reads
 Commit protocol (see docs/storage.md): between commits, writers (any number of processes, each on
 its own blocks) write versions head+1 of the blocks they changed. Then, after a barrier, one
 process commits: it writes commits/<head+1>, then rewrites the root document to name it (the
-commit point), then deletes the versions that none of the last `keep_commits` commits names.
+commit point), then deletes the versions that none of the last `keep_commits` commits names
+(among the blocks it wrote or removed and those the commits leaving the window name: a version
+another process wrote and nobody committed waits for the next writable open).
 The others call `refresh()` before writing again. A crash at any moment leaves the root naming
 an intact commit; what no commit names is garbage that a writable `open` removes.
 """
@@ -43,7 +45,7 @@ from storage.errors import (
 )
 from storage.packing import layout_json, pack, pack_layout, pack_shapes, packs_for, unpack
 from storage.schema import PARAM_NAMES, block_schema
-from storage.table import BlockInfo, Commit, check_key, check_state, parse_box
+from storage.table import MAX_COUNT, BlockInfo, Commit, check_key, check_state, parse_box
 
 FORMAT_VERSION = 2  # 2: a block version is 3 packed arrays (1: one array per logical array)
 RESERVED_ATTRS = ("format_version", "codec", "head", "layout")
@@ -71,6 +73,7 @@ class Store:
         self.keep_commits = keep_commits
         self._tables: dict[int, dict[str, BlockInfo]] = {}  # generation -> table, for GC
         self._unsynced: set[str] = set()  # version prefixes written by this view and not yet fsynced
+        self._written: set[str] = set()  # keys this view wrote versions of since its last commit
         self._root_stamp: tuple[Any, int | None] = (None, None)  # (root file stamp, head it names)
         self._set_commit(commit)
 
@@ -184,6 +187,7 @@ class Store:
         prefix = f"blocks/{key}/{version}"
         write_version(self._backend.zstore, prefix, packed, count, self.codec)
         self._unsynced.add(prefix)
+        self._written.add(key)
         means, scales = arrays["means"], arrays["scales"]
         return BlockInfo(key, version, count, cell, tight_box(means), extent_box(means, scales))
 
@@ -203,7 +207,11 @@ class Store:
         fsyncs to here: a block evicted and rewritten between commits is synced once, and the
         fsyncs of many blocks overlap."""
         prefixes = sorted(self._unsynced)
-        self._backend.sync_trees(prefixes)
+        try:
+            self._backend.sync_trees(prefixes)
+        except OSError as e:  # a file system may report a full disk only when it must allocate, at fsync
+            raise StoreWriteError(self.name, f"the blocks of commit {self.next_version}", e, self.head,
+                                  self.state.get("step")) from e
         self._unsynced.difference_update(prefixes)
 
     def read_block(self, key: str, info: BlockInfo | None = None) -> dict[str, np.ndarray]:
@@ -266,30 +274,46 @@ class Store:
         except OSError as e:
             raise StoreWriteError(self.name, f"commit {generation}", e, self.head, self.state.get("step")) from e
         self._set_commit(commit)
-        self.collect_garbage(upto=generation)
+        self.collect_garbage(upto=generation, keys=self._written | removed)
+        self._written = set()
         return generation
 
-    def collect_garbage(self, upto: int | None = None) -> int:
+    def collect_garbage(self, upto: int | None = None, keys: Iterable[str] | None = None) -> int:
         """Delete the block versions and commit documents that none of the last `keep_commits`
         commits names, and temp files of interrupted writes. upto: only versions <= upto (after a
         commit; see the protocol above); None also removes uncommitted versions, so call it only
-        while no other process writes. Returns the number of block versions deleted."""
+        while no other process writes. keys: look only at these blocks and at those the commits
+        leaving the kept window name (what a commit can have made dead; listing every block's
+        folder took seconds at 35k blocks), None: at every block. Returns the number of block
+        versions deleted."""
+        previous = self._tables
         kept = self._kept_tables()
         named = {(info.key, info.version) for table in kept.values() for info in table.values()}
+        oldest = min(kept, default=None)
+        commits = [int(n) for n in self._sweep(["commits"])[0] if _is_generation(n)]
+        doomed = [g for g in commits if g not in kept and (upto is None or (oldest is not None and g < oldest))]
         removed = 0
-        _, listed = self._sweep(["", "blocks"])  # the root only for its temp files
-        keys = [k for k in listed if _is_key(k)]
+        if keys is None:
+            _, listed = self._sweep(["", "blocks"])  # the root only for its temp files
+            keys = [k for k in listed if _is_key(k)]
+        else:
+            self._sweep([""])
+            candidates = set(keys)
+            for g in set(doomed) | (set(previous) - set(kept)):
+                table = previous.get(g) or getattr(_read_commit(self._backend, g, required=False), "table", {})
+                candidates.update(k for k, info in table.items() if (k, info.version) not in named)
+            keys = sorted(candidates)
         for key, names in zip(keys, self._sweep([f"blocks/{k}" for k in keys])):
+            if not names:
+                continue  # nothing there (a removed block's folder, gone already)
             versions = [int(v) for v in names if _is_generation(v)]
             dead = [v for v in versions if (key, v) not in named and (upto is None or v <= upto)]
             # A key with no live version goes entirely, its group document included.
             for prefix in [f"blocks/{key}"] if len(dead) == len(versions) else [f"blocks/{key}/{v}" for v in dead]:
                 self._backend.delete_dir(prefix)
             removed += len(dead)
-        oldest = min(kept, default=None)
-        for g in (int(n) for n in self._sweep(["commits"])[0] if _is_generation(n)):
-            if g not in kept and (upto is None or (oldest is not None and g < oldest)):
-                self._backend.delete_dir(f"commits/{g}")
+        for g in doomed:
+            self._backend.delete_dir(f"commits/{g}")
         return removed
 
     def _kept_tables(self) -> dict[int, dict[str, BlockInfo]]:
@@ -425,7 +449,8 @@ def _read_root(backend: Backend) -> tuple[dict[str, Any], int | None]:
         raise StoreFormatError(f"{backend.label}: root attributes lack 'codec'")
     CodecConfig.from_json(attrs["codec"], backend.label)
     head = attrs.pop("head", None)
-    if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 0):
+    # (bounded as block versions are: a huge one would name a file too long for the file system)
+    if head is not None and (not isinstance(head, int) or isinstance(head, bool) or not 0 <= head <= MAX_COUNT):
         raise StoreCorruptError(f"{backend.label}: HEAD {head!r:.40} is not a generation number")
     return attrs, head
 

@@ -10,7 +10,7 @@ import torch
 
 import tools.bench.mpi as mpi
 from octree import build_octree
-from tools.city import CAR, FACADE, GROUND, ROOF, TREE, CityConfig, CityError, generate_city
+from tools.scenes import CAR, FACADE, GROUND, ROOF, TREE, CityConfig, CityError, generate_city
 from train.render.semantics import ALPHA_MIN, EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS
 from train.schedule import step_cameras
 

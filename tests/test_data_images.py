@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from PIL import Image
 
 from train.camera import Camera
 from train.data import DataConfig, ImageError, ImagePrefetcher, load_scene
-from train.data.images import read_image
+from train.data.images import encode_image, read_image
 
 
 def _copy_vesta(shared_data, dst):
@@ -127,6 +129,49 @@ def test_sixteen_bit_png_keeps_its_precision(tmp_path):
     # A smooth ramp downscales to the mean of each 2x2 block (to the filter's rounding).
     block_mean = img[:, :, :2].astype(np.float64).reshape(20, 2, 30, 2, 2).mean(axis=(1, 3))
     np.testing.assert_allclose(cached[1:-1, 1:-1, :2], block_mean[1:-1, 1:-1], atol=1.0)
+
+
+def _png16(image: np.ndarray, sub_filter: bool) -> bytes:  # [H, W, C] uint16 -> PNG bytes
+    """A 16-bit PNG written by hand from the format's definition: an independent encoder."""
+    height, width, channels = image.shape
+    rows = image.astype(">u2").reshape(height, -1).view(np.uint8).astype(np.int32)
+    if sub_filter:  # filter 1: each byte minus the byte one pixel to its left
+        bpp = 2 * channels
+        rows = np.concatenate([rows[:, :bpp], (rows[:, bpp:] - rows[:, :-bpp]) & 0xFF], axis=1)
+    raw = np.concatenate([np.full((height, 1), int(sub_filter)), rows], axis=1).astype(np.uint8)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ctype = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
+    header = struct.pack(">IIBBBBB", width, height, 16, ctype, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw.tobytes()))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4], ids=["grey", "grey-alpha", "rgb", "rgba"])
+@pytest.mark.parametrize("sub_filter", [False, True], ids=["none", "sub"])
+def test_sixteen_bit_png_every_colour_type(tmp_path, channels, sub_filter):
+    rng = np.random.default_rng(channels)
+    img = rng.integers(0, 65536, (9, 13, channels), dtype=np.uint16)
+    (tmp_path / "a.png").write_bytes(_png16(img, sub_filter))
+    got = read_image(tmp_path / "a.png")
+    colour = img[..., :1].repeat(3, axis=2) if channels <= 2 else img[..., :3]  # grey is spread over RGB
+    want = np.concatenate([colour, img[..., 3:]] if channels == 4 else [colour, img[..., 1:]] if channels == 2
+                          else [colour], axis=2)
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, want)
+    # and what we write back (the downscale cache) reads as the same values
+    (tmp_path / "b.png").write_bytes(encode_image(got))
+    np.testing.assert_array_equal(read_image(tmp_path / "b.png"), want)
+
+
+def test_corrupt_sixteen_bit_png_is_an_image_error(tmp_path):
+    noise = np.random.default_rng(0).integers(0, 65536, (16, 16, 3), dtype=np.uint16)
+    data = _png16(noise, False)
+    (tmp_path / "a.png").write_bytes(data[: len(data) // 2])  # header intact, pixels cut off
+    with pytest.raises(ImageError, match="a.png"):
+        read_image(tmp_path / "a.png")
 
 
 class _RecordingLoader:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from storage import Store
 from tests.helpers.layout import assert_same_blocks, check_layout
 from tools.tile.__main__ import main as tile_main
+from train.logs import PLOT_DATA_KEY
 
 pytestmark = pytest.mark.mpi
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +92,15 @@ def test_one_two_and_four_ranks_train_the_same_parameters(shared_data, lund_stor
         work = np.array([sum(line[f"cpu_{p}"] for p in ("project", "render", "backprop", "adam")) for line in lines])
         assert lines[0]["imbalance"] == pytest.approx(work.max() / work.mean(), rel=2e-3, abs=2e-3)
         assert lines[0]["imbalance_seconds"] >= 1.0
+    # rank 0 plots every rank's lines: what the PNG carries as drawn is what the JSON lines say
+    with Image.open(tmp_path / "out4" / "metrics.png") as png:
+        plotted = json.loads(png.text[PLOT_DATA_KEY])
+        assert png.size[0] > 4 * png.size[1]  # five panels side by side
+    assert plotted["loss"] == {"x": [l["step"] for l in steps[0]], "y": [l["loss"] for l in steps[0]]}
+    assert plotted["imbalance (work)"]["y"] == [l["imbalance"] for l in steps[0]]
+    for r in range(4):
+        assert plotted[f"rank {r} bytes sent"]["y"] == [l["bytes_sent"] for l in steps[r]]
+    assert any(y > 0 for y in plotted["rank 3 bytes sent"]["y"])
     # the regions hold every Gaussian of the store once
     owned = [json.loads(next(l for l in p.read_text().splitlines() if '"train"' in l))["owned"] for p in rank_logs]
     assert sum(owned) == sum(i.count for i in Store.open(lund_store, mode="r").table.values())

@@ -20,7 +20,7 @@ from octree import (
 from octree import morton
 from octree.bounds import extent_box, tight_box
 from octree.keys import MAX_DEPTH, BlockKey
-from tools.synthetic import clustered_points
+from tools.scenes import clustered_points
 
 
 def reference_leaves(points: np.ndarray, root: RootCube, cap: int, max_depth: int) -> dict:

@@ -9,7 +9,7 @@ from gsplat.cuda._torch_impl import _fully_fused_projection, _quat_scale_to_cova
 
 from octree import build_octree, extent_boxes, frustum_cull
 from octree.bounds import EMPTY_BOX
-from tools.synthetic import clustered_points, look_at
+from tools.scenes import clustered_points, look_at
 
 
 def splat_visible(means, log_scales, quats, viewmat, K, width, height, near, far) -> np.ndarray:  # [N] bool

@@ -11,7 +11,7 @@ from octree.build import build_octree
 from octree.keys import MAX_DEPTH, BlockKey
 from octree.restructure import cell_holds, home_cells, plan_merges, split_rows
 from octree.root import RootCube
-from tools.synthetic import clustered_points
+from tools.scenes import clustered_points
 
 
 def within(inner: BlockKey, outer: BlockKey) -> bool:

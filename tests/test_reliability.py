@@ -403,7 +403,7 @@ def test_the_splat_semantics_and_the_sh_limit_have_one_definition() -> None:
 def test_an_sh_degree_the_renderer_cannot_draw_is_refused_by_the_tiler_and_the_store(tmp_path: Path) -> None:
     from storage import StoreFormatError
     from tools.ply import write_ply
-    from tools.synthetic import random_splats
+    from tools.scenes import random_splats
 
     np.savez(tmp_path / "p.npz", means3d=np.random.default_rng(0).random((100, 3)).astype(np.float32))
     proc = run_tool("tools.tile", tmp_path / "p.npz", "--out", tmp_path / "s.zarr", "--sh-degree", "4", timeout=60)

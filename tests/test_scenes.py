@@ -13,9 +13,9 @@ import pytest
 import torch
 from scipy.spatial import cKDTree
 
-import tools.scenes as scenes
+import tools.scenes.make as scenes_make
 from tools.make_scene import main
-from tools.ply.compressed import SH_C0
+from octree.semantics import SH_C0
 from tools.scenes import GROUND_TRUTH, SceneConfig, SceneError, build_scene, holdout_slots, make_scene
 from train.data import DataConfig, load_scene
 from train.render import project, render
@@ -228,7 +228,7 @@ def test_failure_leaves_no_output(tmp_path, monkeypatch, capsys):
     def disk_full(path, *_):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(scenes, "_write_points", disk_full)
+    monkeypatch.setattr(scenes_make, "write_points", disk_full)
     assert main(["wall", str(tmp_path / "scene"), *TINY_ARGS]) == 1
     assert "No space left on device" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -13,15 +13,14 @@ from scipy.spatial import cKDTree
 
 from octree import RootCube, build_octree
 from octree.keys import MAX_DEPTH, parse_key
+from octree.semantics import SH_C0
 from storage import Store
 from storage.schema import PARAM_NAMES
 from tests.conftest import REPO
 from tools.ply import open_ply, write_ply
-from tools.synthetic import clustered_points, random_colors, random_splats
+from tools.scenes import clustered_points, random_colors, random_splats
 from tools.tile import TileConfig, TileError, tile
 from tools.tile.__main__ import main as tile_main
-
-SH_C0 = 0.28209479177387814
 
 
 def blocks_in_morton_order(path) -> tuple[Store, list[str]]:

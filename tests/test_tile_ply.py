@@ -19,7 +19,7 @@ from tools.ply import (
     write_ply,
 )
 from tools.ply.standard import property_names
-from tools.synthetic import random_splats
+from tools.scenes import random_splats
 
 
 def gsplat_bytes(splats: dict, fmt: str) -> bytes:

@@ -14,7 +14,7 @@ from storage import Store
 from storage.schema import PARAM_NAMES, bytes_per_gaussian
 from tools.export import main as export_main
 from tools.tile.__main__ import main as tile_main
-from train.config import TrainConfig
+from train.config import OptimConfig, TrainConfig
 from train.trainer import TrainError, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,3 +179,34 @@ def test_regions_cover_every_block_once_and_balance_viewed_work(wall):
         by_work = region_weights(work, bounds)
         by_count = region_weights(work, partition(everything.counts.astype(np.float64), ranks))
         assert by_work.max() / by_work.mean() <= by_count.max() / by_count.mean() + 1e-9
+
+
+def test_a_nan_storm_stops_the_run_with_a_clear_error_and_a_clean_store(wall, tmp_path):
+    """An exploding learning rate: after the first step every loss is non-finite. The steps are
+    skipped and counted, the run stops after --max-skipped of them, and no NaN reaches the store."""
+    data, tiled = wall
+    store = _copy(tiled, tmp_path, "storm.zarr")
+    out = tmp_path / "storm"
+    with pytest.raises(TrainError, match=r"steps 2 to 4: 3 steps in a row had a non-finite loss") as e:
+        run(_config(data, store, out, steps=50, commit_every=3, max_skipped=3, optim=OptimConfig(sh0_lr=1e30)))
+    assert "the store keeps its last commit, step 3" in str(e.value)
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if l["kind"] == "skipped"] == [2, 3, 4]
+    s = Store.open(store, mode="r")
+    assert s.state["step"] == 3
+    for arrays in _params(store).values():
+        for name, a in arrays.items():
+            assert np.isfinite(a).all(), name
+
+
+def test_scales_that_overflow_still_commit_finite_boxes(wall, tmp_path):
+    """An exploding scales learning rate gives log-scales of 1e30: exp() overflows, so their
+    blocks' extent boxes reach everywhere. The commit (JSON, no inf) must still be written."""
+    data, tiled = wall
+    store = _copy(tiled, tmp_path, "huge.zarr")
+    run(_config(data, store, tmp_path / "huge", steps=3, commit_every=1, optim=OptimConfig(scales_lr=1e30)))
+    s = Store.open(store, mode="r")
+    assert s.state["step"] == 3
+    boxes = np.array([info.extent for info in s.table.values()])
+    assert np.isfinite(boxes).all()
+    assert (boxes[:, 3:] - boxes[:, :3]).max() > 1e300, "a block with an overflowing scale reaches everywhere"

@@ -18,15 +18,13 @@ from tools.view.cameras import orbit
 from tools.view.config import ViewConfig
 from tools.view.render import FrustumRenderer
 
-SH_C0 = 0.28209479177387814
-
 # Rewrites every block of STORE each generation, all red on even generations and all green on odd
 # ones, and commits with keep_commits=1, so the versions of the last commit vanish at once.
 WRITER = """
 import sys
 import numpy as np
+from octree.semantics import SH_C0
 from storage import Store
-SH_C0 = 0.28209479177387814
 store = Store.open(sys.argv[1], keep_commits=1)
 print("ready", flush=True)
 while True:

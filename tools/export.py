@@ -18,6 +18,7 @@ from storage import Store, StoreError
 from tools.frames import transform_gaussians
 from tools.leftovers import LeftoverWarning
 from tools.ply import CompressedPlyWriter, GaussianPlyWriter, PlyError
+from train.cli import HelpFormatter
 
 
 def export(store_path: str, out: str | Path, fmt: str = "ply", frame: str = "input") -> int:
@@ -38,10 +39,11 @@ def export(store_path: str, out: str | Path, fmt: str = "ply", frame: str = "inp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.export", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.export", description=__doc__.split("\n\n")[1])
     parser.add_argument("store", help="scene store (written by tools.tile, trained by train)")
     parser.add_argument("--out", required=True, help="output .ply path")
-    parser.add_argument("--format", choices=("ply", "ply_compressed"), default="ply")
+    parser.add_argument("--format", choices=("ply", "ply_compressed"), default="ply",
+                        help="ply: the standard 3DGS PLY; ply_compressed: the SuperSplat/PlayCanvas compressed PLY")
     parser.add_argument("--frame", choices=("input", "store"), default="input",
                         help="coordinates of the input that was tiled (default) or the store's normalised frame")
     args = parser.parse_args(argv)

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
+from tools.bench import data_dir
 from train.render import project, project_batch, rasterize, render
-from train.render.reference import rasterize_dense
-from train.render.splats2d import GRAD_FLOATS, Splats2D
 from train.render.errors import RenderError
+from train.render.reference import rasterize_dense
 from train.render.scenes import load_garden
+from train.render.splats2d import GRAD_FLOATS, Splats2D
 
 PARAMS = ("means", "scales", "quats", "opacities", "sh0", "shN")
-DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "test_garden.npz"
+DEFAULT_DATA = data_dir() / "test_garden.npz"
 
 
 def _render_with_grads(splats: dict, camera, backend: str, device: str) -> tuple[torch.Tensor, ...]:

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from octree.cull import frustum_cull
 from octree.keys import parse_key
-from octree.partition import partition
 from train.camera import Camera
+from train.layout import BlockTable, balanced_bounds, ownership_weights, visible_mask
 
 
 @dataclass
@@ -22,11 +21,8 @@ class Region:
     @classmethod
     def from_table(cls, table: dict, keys: list[str] | None = None) -> "Region":
         """table: store.table (key -> BlockInfo); keys: the owned subset (default all)."""
-        chosen = list(table) if keys is None else list(keys)
-        chosen.sort(key=lambda k: parse_key(k).morton_rank())
-        extents = np.array([table[k].extent for k in chosen], dtype=np.float64).reshape(-1, 6)
-        counts = np.array([table[k].count for k in chosen], dtype=np.int64)
-        return cls(chosen, extents, counts)
+        t = BlockTable.from_store(table, keys)
+        return cls(t.keys, t.extents, t.counts)
 
     def update_extents(self, extents: dict[str, tuple]) -> None:
         """Training moves and grows Gaussians: culling must use each block's current extent."""
@@ -41,22 +37,8 @@ class Region:
 
     def visible(self, camera: Camera) -> list[str]:
         """Owned blocks whose extent box meets the camera's frustum, in Morton order."""
-        if not self.keys:
-            return []
-        mask = frustum_cull(self.extents, camera.viewmat, camera.K, camera.width, camera.height)
+        mask = visible_mask(self.extents, camera)
         return [k for k, m in zip(self.keys, mask) if m]
-
-
-def ownership_weights(counts: np.ndarray, extents: np.ndarray, cameras: list[Camera]) -> np.ndarray:  # [B], [B, 6] -> [B]
-    """What owning each block costs: its owner projects, backpropagates and steps its Gaussians
-    for every camera that sees them, so a block weighs its Gaussian count times the number of
-    `cameras` whose frustum meets its extent box (its count alone when no camera sees anything).
-    Counts alone left the owners of much-viewed regions with 1.5x the mean projection work."""
-    weights = np.asarray(counts, dtype=np.float64)
-    seen = np.zeros(len(weights))
-    for c in cameras:
-        seen += frustum_cull(extents, c.viewmat, c.K, c.width, c.height)
-    return weights * seen if seen.any() else weights
 
 
 @dataclass(frozen=True)
@@ -75,8 +57,8 @@ class Ownership:
     @classmethod
     def balanced(cls, table: dict, size: int, cameras: list[Camera]) -> "Ownership":
         """Regions of balanced `ownership_weights` over the training `cameras` (by count without)."""
-        everything = Region.from_table(table)
-        bounds = partition(ownership_weights(everything.counts, everything.extents, cameras), size)
+        everything = BlockTable.from_store(table)
+        bounds = balanced_bounds(everything.counts, everything.extents, cameras, size)
         starts = [parse_key(k).morton_rank() for k in everything.keys]
         end = 1 << 63  # past every cell: a region with no block starts there
         return cls(tuple(starts[b] if b < len(starts) else end for b in bounds[1:-1]))
@@ -89,7 +71,7 @@ class Ownership:
 
     def weights(self, table: dict, cameras: list[Camera]) -> np.ndarray:  # [R]
         """Each region's `ownership_weights`."""
-        everything = Region.from_table(table)
+        everything = BlockTable.from_store(table)
         w = ownership_weights(everything.counts, everything.extents, cameras)
         owners = np.array([self.owner(k) for k in everything.keys], dtype=np.int64)
         return np.bincount(owners, weights=w, minlength=self.size)

@@ -44,6 +44,7 @@ class StepStats:
     received: int = 0  # splats this rank rasterized that another rank owns
     contributed: int = 0  # owned Gaussians stepped by Adam
     extents: dict[str, tuple] = field(default_factory=dict)  # new extent box of every block the step changed
+    occlusion: dict[str, int] = field(default_factory=dict)  # --occlusion on: `OcclusionReport.fields()` of the step
     # Seconds in each phase: io (paging blocks in), project, exchange (both directions and the
     # NaN vote, waiting for other ranks included), render (rasterize, loss, backward), backprop
     # (owners through their projections), adam (and statistics, extents).
@@ -202,9 +203,11 @@ class Backprop:
     contributed: Tensor  # [N] bool over the batch: the rows Adam steps
 
 
-def page_in(cameras: list[Camera], region: Region, cache) -> Paged:
-    """Pin and load every owned block a camera of the step sees (blocks stay pinned)."""
-    visible = [region.visible(c) for c in cameras]
+def page_in(cameras: list[Camera], region: Region, cache, visible: list[list[str]] | None = None) -> Paged:
+    """Pin and load every owned block a camera of the step sees (blocks stay pinned); `visible`:
+    each camera's blocks where occlusion culling chose them, else those in its frustum."""
+    if visible is None:
+        visible = [region.visible(c) for c in cameras]
     keys = region.union(visible)
     cache.pin(keys)  # all or nothing
     cached = {k: cache.get(k) for k in keys}
@@ -238,13 +241,14 @@ def rasterize_and_loss(
     backend: str,
     stats: StepStats,
     absgrad: bool = False,  # also the absolute per-pixel 2D mean gradients (gsplat's absgrad)
+    ssim_lambda: float = 0.2,  # the D-SSIM term's weight in the loss
 ) -> Rendered:
     n_cams = len(cameras)
     out = Rendered([], [], {}, {})
     for i in (i for i in range(n_cams) if cam_rank[i] == rank):
         parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
         raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
-        loss = photometric_loss(raster.rgb, images[i])
+        loss = photometric_loss(raster.rgb, images[i], ssim_lambda)
         if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
             (loss / n_cams).backward()
         out.losses.append(loss.detach())
@@ -364,10 +368,12 @@ def train_step(
     perturb=None,  # train.densify.Perturb (MCMC's noise on the means), or None
     adam_step: AdamStep = AdamStep(),  # which rows Adam steps; default: those that reached a pixel
     absgrad: bool = False,  # the statistics sum absolute per-pixel 2D mean gradients (gsplat's absgrad)
+    visible: list[list[str]] | None = None,  # per camera: its blocks after occlusion culling (None: its frustum's)
+    ssim_lambda: float = 0.2,  # the D-SSIM term's weight in the loss
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
-    paged = page_in(cameras, region, cache)
+    paged = page_in(cameras, region, cache, visible)
     try:
         stats.blocks = len(paged.keys)
         clock.mark("io")
@@ -380,7 +386,7 @@ def train_step(
         routed = route_splats(projected, cam_rank, exchange, len(cameras))
         clock.mark("exchange")
         rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
-                                      absgrad)
+                                      absgrad, ssim_lambda)
         clock.mark("render")
         back = return_grads(routed, rendered, exchange, absgrad)
         clock.mark("exchange")

@@ -17,17 +17,19 @@ import torch
 from storage import CacheBudgetError, Store
 from storage.cache import BlockCache
 from storage.schema import bytes_per_gaussian
+from train import layout
 from train.camera import Camera
 from train.config import TrainConfig
 from train.data import DataConfig, load_scene
+from train.densify import Densifier
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
-from train.logs import RunLog, plot_metrics, progress_bar, write_config
-from train.optim import AdamConfig, AdamStep, LazyDense, learning_rates
+from train.logs import RunLog, plot_metrics, progress_bar, tensorboard_missing, write_config
+from train.lpips import load_lpips
+from train.occlusion import OcclusionCuller
+from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
 from train.schedule import Schedule
-from train.assign import assign_cameras
-from train.densify import Densifier
 from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
 
 
@@ -73,9 +75,14 @@ def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     test = [c.transformed(T) for c in data.test_cameras]
     if not train:
         raise TrainError(f"dataset {cfg.data} has no training images")
-    centers = np.stack([c.center for c in train])
-    scale = float(np.linalg.norm(centers - centers.mean(0), axis=1).max() * 1.1) or 1.0
-    return Scene(train, test, data, scale)
+    return Scene(train, test, data, scene_scale(train))
+
+
+def scene_scale(cameras: list[Camera]) -> float:
+    """The scale the learning rates (and the schedule's locality metric) use: 1.1 x the largest
+    distance of a camera centre from their mean (gsplat's)."""
+    centers = np.stack([c.center for c in cameras])
+    return float(np.linalg.norm(centers - centers.mean(0), axis=1).max() * 1.1) or 1.0
 
 
 def look_features(cameras: list[Camera], scene_scale: float) -> np.ndarray:  # [N, 6]
@@ -110,9 +117,8 @@ def assign_step(cams: list[Camera], region: Region, exchange: Exchange, per_rank
     """Each camera to the rank owning most of what it sees, exactly `per_rank` cameras a rank."""
     if exchange.size == 1:
         return [0] * len(cams)
-    counts = dict(zip(region.keys, region.counts))
-    mine = np.array([sum(counts[k] for k in region.visible(c)) for c in cams], dtype=np.float64)
-    return assign_cameras(exchange.gather_rows(mine).T, per_rank)
+    mine = layout.visible_counts(region.counts, region.extents, cams).astype(np.float64)
+    return layout.assign_step(exchange.gather_rows(mine).T, per_rank).tolist()
 
 
 class _StopFlag:
@@ -142,6 +148,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, exchange: Exchange | None = None) -> None:
         self.cfg = cfg
+        if cfg.tensorboard and (missing := tensorboard_missing()):
+            raise TrainError(missing)
         self.exchange = exchange = exchange or LocalExchange()
         self.rank, self.size = exchange.rank, exchange.size
         if cfg.deterministic:
@@ -179,9 +187,13 @@ class Trainer:
         self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
         self.cache = BlockCache(store, self.budget, self.device)
         self.background = torch.tensor(cfg.background, dtype=torch.float32, device=self.device)
-        self.adam = AdamConfig().for_batch(cfg.batch_size * self.size)
-        self.log = RunLog(self.out, self.rank, self.size)
+        self.adam = cfg.optim.adam().for_batch(cfg.batch_size * self.size)
+        self.log = RunLog(self.out, self.rank, self.size, cfg.tensorboard)
+        self._lpips: tuple | None = None  # (metric or None, why it is skipped or None), from the first evaluation
         self.lazy = LazyDense(self.adam, cfg.steps, scene.scene_scale) if cfg.adam == "dense" else None
+        if cfg.occlusion == "on" and self.size > 1:
+            raise TrainError(f"--occlusion on runs on one rank for now, not {self.size}: use --occlusion off under MPI")
+        self.occlusion = OcclusionCuller(bytes_per_gaussian(store.sh_degree)) if cfg.occlusion == "on" else None
         self.densifier = Densifier(cfg.densify, store, self.cache, exchange, scene.scene_scale, cfg.seed,
                                    set(store.state.get("refine_pending", [])), self.catch_up,
                                    every_block=self.lazy is not None)
@@ -196,6 +208,7 @@ class Trainer:
         self.pending: dict[int, dict[int, Future]] = {}  # step -> camera index -> its photo, loading
         self.bar = progress_bar(cfg.steps, start, enabled=cfg.progress and self.rank == 0)
         self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
+        self.skipped = self.skipped_in_row = 0  # steps skipped for a non-finite loss or gradient
 
     # ---- phases ----
 
@@ -209,18 +222,27 @@ class Trainer:
         self.plans[step] = assign_step(cams, region, self.exchange, self.cfg.batch_size)
         self.pending[step] = {i: self.images.submit(self.scene.data.load_image, cams[i])
                               for i, r in enumerate(self.plans[step]) if r == self.rank}
-        self.cache.prefetch(region.union(region.visible(c) for c in cams))
+        self.cache.prefetch(self._prefetch_keys(cams))
         if step + 1 < self.end and not self.densifier.due(step):
             # and, where the budget allows, the step after: a move starts paging early
-            self.cache.prefetch(region.union(region.visible(c) for c in self.cameras_of(step + 1)))
+            self.cache.prefetch(self._prefetch_keys(self.cameras_of(step + 1)))
+
+    def _prefetch_keys(self, cams: list[Camera]) -> list[str]:
+        """The blocks to page ahead for these cameras: their frustums' or, with occlusion culling,
+        what each kept when last culled (its nearest blocks the first time), so hidden blocks stay unread."""
+        region = self.region
+        if self.occlusion is not None:
+            return self.occlusion.prefetch_keys(cams, region)
+        return region.union(region.visible(c) for c in cams)
 
     def train(self, step: int) -> tuple[StepStats, float]:
         """One step (planned already); plans the next one unless a refinement comes between."""
         cams, cam_rank = self.cameras_of(step), self.plans.pop(step)
         gt = {i: f.result().to(self.device) for i, f in self.pending.pop(step).items()}
         t0 = time.time()
+        visible, culled = self._cull(cams, step)
         # This step's blocks are pinned first, so the next step's prefetch evicts others.
-        needed = self.region.union(self.region.visible(c) for c in cams)
+        needed = self.region.union(visible if visible is not None else (self.region.visible(c) for c in cams))
         self.cache.pin(needed)
         try:
             if step + 1 < self.end and not self.densifier.due(step):
@@ -230,14 +252,27 @@ class Trainer:
             perturb = self.densifier.perturb(
                 step, learning_rates(self.adam, step + 1, self.cfg.steps, self.scene.scene_scale)["means"])
             stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
-                               self.background, self.backend, perturb,
-                               AdamStep(self.cfg.adam, step + 1, self.lazy),
-                               self.cfg.densify.absgrad and self.cfg.densify.strategy == "default")
+                               self.background, self.backend, perturb=perturb,
+                               adam_step=AdamStep(self.cfg.adam, step + 1, self.lazy),
+                               absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
+                               visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda)
         finally:
             self.cache.unpin(needed)
+        if culled is not None:
+            stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
         self.densifier.observe(list(stats.extents), step)
         return stats, time.time() - t0
+
+    def _cull(self, cams: list[Camera], step: int) -> tuple[list[list[str]] | None, tuple[dict, float, float] | None]:
+        """--occlusion on: each camera's blocks that can change its image (the forward-only
+        culling pass), and the pass's report, wall and CPU seconds; (None, None) when off."""
+        if self.occlusion is None:
+            return None, None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
+        visible, report = self.occlusion.cull(cams, self.region, self.cache, degree, self.background, self.backend)
+        return visible, (report.fields(), time.perf_counter() - wall, time.thread_time() - cpu)
 
     def refine(self, step: int) -> None:
         """The densification hook after step: the strategy's refinement or opacity reset; a
@@ -293,9 +328,13 @@ class Trainer:
             self.store.refresh()
 
     def evaluate(self, step: int) -> dict:
+        if self._lpips is None:
+            self._lpips = load_lpips(self.device)
+            if self._lpips[1] and self.rank == 0:
+                self.bar.write(self._lpips[1], file=sys.stderr)
         return evaluate(self.scene.test, self.scene.data.load_image, step, self.region, self.cache, self.exchange,
                         self.sh_degree, self.background, self.backend, self.out, self.log, self.cfg.max_eval_images,
-                        lambda key: self.catch_up(key, step))
+                        lambda key: self.catch_up(key, step), self._lpips[0])
 
     def catch_up(self, key: str, done: int) -> int:
         """Dense Adam: the owned block `key`'s rows take the steps they missed, up to `done`;
@@ -328,6 +367,7 @@ class Trainer:
                         self.refine(step)
                     step += 1
                     self._log_step(step, stats, seconds)
+                    self._count_skipped(step, stats.skipped)
                     if step % cfg.commit_every == 0 and step < self.end and self.store.state.get("step") != step:
                         self.commit(step)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < self.end:
@@ -340,6 +380,17 @@ class Trainer:
         finally:
             self.close()
         return self._summary(step, time.time() - t_start, metrics)
+
+    def _count_skipped(self, step: int, skipped: bool) -> None:
+        """A skipped step changes nothing; a run of them means training has broken down."""
+        self.skipped += skipped
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        limit = self.cfg.max_skipped
+        if limit and self.skipped_in_row >= limit:
+            raise TrainError(f"steps {step - limit + 1} to {step}: {limit} steps in a row had a non-finite loss or "
+                             f"gradient and were skipped (a corrupt photo, or learning rates too high?); nothing "
+                             f"of them was written, the store keeps its last commit, step "
+                             f"{self.store.state.get('step', 0)} (--max-skipped sets the limit)")
 
     def _log_step(self, step: int, stats: StepStats, seconds: float) -> None:
         cfg, exchange, cache = self.cfg, self.exchange, self.cache
@@ -356,7 +407,8 @@ class Trainer:
                            **{f"t_{phase}": round(t, 5) for phase, t in stats.timings.items()},
                            **{f"cpu_{phase}": round(t, 5) for phase, t in stats.cpu.items()},
                            bytes_sent=exchange.bytes_sent - self._sent0,
-                           bytes_received=exchange.bytes_received - self._received0, **_cache_fields(cache))
+                           bytes_received=exchange.bytes_received - self._received0, **_cache_fields(cache),
+                           **stats.occlusion)
             self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.4f}", psnr=f"{stats.psnr:.2f}", gs=str(gaussians),
@@ -371,17 +423,19 @@ class Trainer:
             "seconds": round(elapsed, 2),
             "seconds_per_step": round(elapsed / max(1, step - self.start), 4),
             "gaussians": _num_gaussians(self.store),
+            "skipped_steps": self.skipped,
             "test_psnr": metrics.get("psnr"),
             "test_ssim": metrics.get("ssim"),
+            "test_lpips": metrics.get("lpips"),
+            **({"lpips_skipped": self._lpips[1]} if self._lpips and self._lpips[1] else {}),
             **_cache_fields(self.cache),
             "store": str(self.cfg.store),
             "out": str(self.out),
         }
+        self.exchange.barrier()  # every rank's metrics lines are on disk before rank 0 plots them all
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-            metrics_file = self.out / "metrics.jsonl"
-            if metrics_file.exists():
-                plot_metrics(metrics_file, self.out / "metrics.png")
+            plot_metrics(self.out, self.size)
         return summary
 
     def close(self) -> None:

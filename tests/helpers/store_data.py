@@ -9,9 +9,8 @@ import numpy as np
 
 from octree.bounds import Box
 from octree.keys import BlockKey
+from octree.semantics import SH_C0
 from storage.schema import block_schema, empty_state, num_sh_rest
-
-SH_C0 = 0.28209479177387814  # gsplat's rgb <-> sh0 factor
 
 
 def block_digest(arrays: dict[str, np.ndarray], sh_degree: int) -> str:

@@ -53,6 +53,7 @@ import torch
 from gsplat.strategy import DefaultStrategy
 from gsplat.strategy.ops import reset_opa
 
+from train.cli import HelpFormatter
 from storage import Store
 from tools.bench import data_dir
 from tools.bench.train import (GSPLAT_LR, SH_DEGREE_INTERVAL, BenchError, copy_dataset, python_module,
@@ -372,7 +373,7 @@ def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConf
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.bench densify",
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.bench densify",
                                 description="densification: gsplat's DefaultStrategy against the trainer's")
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="300 steps, refine schedule scaled down (a smoke run)")

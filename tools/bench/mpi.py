@@ -1,14 +1,15 @@
 """`python -m tools.bench mpi {volume,scaling}`: what the MPI exchange costs.
 
 volume: bytes per step of our boundary exchange against gsplat's distributed mode on the
-street-level synthetic city (`tools.city`), counted exactly from the splats every camera gets.
+street-level synthetic city (`tools.scenes`), counted exactly from the splats every camera gets.
 A splat is a Gaussian-camera pair that projection keeps (nonzero radius inside the image), found
 with `train.render.project` (the trainer's projection, gsplat's semantics) on the Gaussians of the
 blocks `octree.frustum_cull` keeps: the same pairs for both systems. Occlusion culls nothing in
 either system, so it is not modelled.
 
-  ours:   Gaussians are owned by space (octree blocks in Morton order, `octree.partition` into
-          weight-balanced rank regions); each camera is rendered by the rank `train.assign` gives it.
+  ours:   Gaussians are owned by space (octree blocks in Morton order, weight-balanced rank regions,
+          `train.layout` as the trainer computes them); each camera is rendered by the rank
+          `train.layout.assign_step` gives it (`python -m tools.plan` plans the same at any size).
           A splat travels when its owner is not the camera's rank: 12 floats forward
           (`Splats2D.pack`), 9 gradient floats and the contributed flag back (`train.mpi`).
   gsplat: `rasterization(packed=True, distributed=True)` in gsplat 1.5.3 deals Gaussians round robin
@@ -43,14 +44,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from octree import build_octree, extent_boxes, frustum_cull, partition
-from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, make_wall, ratio,
-                               run_means, scratch, store_size, tile, train, warm_images)
-from tools.city import CityConfig, CityError, generate_city
-from train.assign import assign_cameras
+from octree import build_octree, extent_boxes, partition
+from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, ratio, run_means,
+                               scratch, store_size, tile, train, warm_images)
+from tools.scenes import CityConfig, CityError, generate_city, make_wall
 from train.camera import Camera
+from train.cli import HelpFormatter
+from train.layout import assign_step, block_ranks, ownership_weights, rank_affinity, visible_mask
 from train.render import project
-from train.region import ownership_weights
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 from train.schedule import step_cameras
 from train.step import COMPUTE_PHASES
@@ -75,6 +76,7 @@ class Layout:
     starts: np.ndarray  # [B] int64 first row of each block
     counts: np.ndarray  # [B] int64 Gaussians per block
     extents: np.ndarray  # [B, 6] extent boxes (culling)
+    work: np.ndarray  # [B] float64 what owning each block costs (`train.layout.ownership_weights`)
     bounds: np.ndarray  # [R + 1] int64 rank r owns blocks bounds[r]:bounds[r + 1]
 
     @property
@@ -83,7 +85,7 @@ class Layout:
 
     @property
     def block_rank(self) -> np.ndarray:  # [B] int64
-        return np.repeat(np.arange(self.ranks), np.diff(self.bounds))
+        return block_ranks(self.bounds)
 
     @property
     def owner(self) -> np.ndarray:  # [N] int64 rank of each row
@@ -96,17 +98,13 @@ class Layout:
 def build_layout(splats: dict[str, np.ndarray], ranks: int, max_per_block: int,
                  cameras: list[Camera] | None = None) -> Layout:
     """The octree over the means, partitioned into `ranks` regions as the trainer does
-    (`train.region.ownership_weights` over the training cameras; by Gaussian count without)."""
+    (`train.layout.ownership_weights` over the training cameras, by Gaussian count without)."""
     tree = build_octree(splats["means"], max_per_block)
     order = tree.order
     sorted_splats = {k: torch.from_numpy(np.ascontiguousarray(v[order])) for k, v in splats.items()}
     extents = extent_boxes(splats["means"][order], splats["scales"][order], tree.starts)
-    bounds = partition(ownership_weights(tree.counts, extents, cameras or []), ranks)
-    return Layout(sorted_splats, order, tree.starts, tree.counts, extents, bounds)
-
-
-def _visible_blocks(layout: Layout, camera: Camera) -> np.ndarray:  # [B] bool
-    return frustum_cull(layout.extents, camera.viewmat, camera.K, camera.width, camera.height)
+    work = ownership_weights(tree.counts, extents, cameras or [])
+    return Layout(sorted_splats, order, tree.starts, tree.counts, extents, work, partition(work, ranks))
 
 
 def _row_runs(layout: Layout, mask: np.ndarray) -> list[tuple[int, int]]:
@@ -121,9 +119,12 @@ def _row_runs(layout: Layout, mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def splat_rows(layout: Layout, camera: Camera) -> np.ndarray:  # [M] int64 rows with a splat in `camera`
+def splat_rows(layout: Layout, camera: Camera,
+               visible: np.ndarray | None = None) -> np.ndarray:  # [B] bool blocks it sees (default: culled here) -> [M] int64
+    """Rows with a splat in `camera`."""
     parts = [np.zeros(0, dtype=np.int64)]
-    for a, b in _row_runs(layout, _visible_blocks(layout, camera)):
+    visible = visible_mask(layout.extents, camera) if visible is None else visible
+    for a, b in _row_runs(layout, visible):
         chunk = {k: v[a:b] for k, v in layout.splats.items()}
         parts.append(project(chunk, camera, sh_degree=0).ids.numpy() + a)
     return np.concatenate(parts)
@@ -143,12 +144,8 @@ def count_splats(layout: Layout, cameras: list[Camera]) -> tuple[np.ndarray, np.
 
 def block_affinity(layout: Layout, cameras: list[Camera]) -> np.ndarray:  # [C, R]
     """What the trainer knows before projecting: each rank's Gaussians in blocks the camera may see."""
-    block_rank = layout.block_rank
-    out = np.zeros((len(cameras), layout.ranks), dtype=np.int64)
-    for c, camera in enumerate(cameras):
-        visible = _visible_blocks(layout, camera)
-        out[c] = np.bincount(block_rank[visible], weights=layout.counts[visible], minlength=layout.ranks)
-    return out
+    visible = np.array([visible_mask(layout.extents, c) for c in cameras]).reshape(len(cameras), -1)
+    return rank_affinity(layout.counts, layout.block_rank, layout.ranks, visible)
 
 
 @dataclass
@@ -160,7 +157,7 @@ class Step:
 def plan_steps(affinity: np.ndarray,  # [C, R] over all cameras; unused by "in-order"
                per_rank: int, steps: int, seed: int, policy: str) -> list[Step]:
     """The trainer's seeded schedule, each step's cameras given to ranks by `policy`:
-    "in-order" (rank r renders the r-th share of the batch) or "balanced-*" (`assign_cameras`)."""
+    "in-order" (rank r renders the r-th share of the batch) or "balanced-*" (`train.layout.assign_step`)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown assignment policy {policy!r} (choose from {', '.join(POLICIES)})")
     n_cams, n_ranks = affinity.shape
@@ -170,7 +167,7 @@ def plan_steps(affinity: np.ndarray,  # [C, R] over all cameras; unused by "in-o
         if policy == "in-order":
             ranks = np.repeat(np.arange(n_ranks), per_rank)
         else:
-            ranks = np.asarray(assign_cameras(affinity[cams], per_rank), dtype=np.int64)
+            ranks = assign_step(affinity[cams], per_rank)
         plan.append(Step(cams, ranks))
     return plan
 
@@ -228,12 +225,12 @@ def _volume_args(p: argparse.ArgumentParser) -> None:
     d = CityConfig()
     p.add_argument("--blocks", type=int, default=d.blocks, help="city blocks per side")
     p.add_argument("--density", type=float, default=d.density, help="Gaussians per square metre of surface")
-    p.add_argument("--cameras", type=int, default=d.cameras)
-    p.add_argument("--width", type=int, default=d.width)
-    p.add_argument("--height", type=int, default=d.height)
+    p.add_argument("--cameras", type=int, default=d.cameras, help="street-level cameras")
+    p.add_argument("--width", type=int, default=d.width, help="image width, pixels")
+    p.add_argument("--height", type=int, default=d.height, help="image height, pixels")
     p.add_argument("--fov", type=float, default=d.fov_x, help="horizontal field of view, degrees")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--seed", type=int, default=d.seed, help="the city's and cameras' seed")
+    p.add_argument("--ranks", type=int, default=8, help="ranks the city is split over")
     p.add_argument("--per-rank", type=int, default=4, help="cameras each rank renders per step")
     p.add_argument("--steps", type=int, default=None, help="default: one pass over the cameras")
     p.add_argument("--max-per-block", type=int, default=65536, help="octree leaf capacity (the tiler's default)")
@@ -271,7 +268,7 @@ def _print_volumes(volumes: dict[str, Volume]) -> None:
 
 
 def volume(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench mpi volume",
+    p = argparse.ArgumentParser(prog="python -m tools.bench mpi volume", formatter_class=HelpFormatter,
                                 description="bytes per step of the splat exchange, ours vs gsplat distributed")
     _volume_args(p)
     a = p.parse_args(argv)
@@ -424,7 +421,7 @@ def _noise_floor(runs: np.ndarray, draws: int = 2000) -> None:  # [K, R, steps] 
 
 
 def scaling(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench mpi scaling",
+    p = argparse.ArgumentParser(prog="python -m tools.bench mpi scaling", formatter_class=HelpFormatter,
                                 description="steps/s of 2 ranks against 1 rank, and the work balance at 8 ranks")
     p.add_argument("--quick", action="store_true", help="smaller images, fewer steps (a smoke run)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder (lund_door)")

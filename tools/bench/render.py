@@ -23,10 +23,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,53 +32,18 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from scipy.spatial import cKDTree  # noqa: E402
 
+from tools.bench import data_dir  # noqa: E402
+from tools.bench.timing import format_ms, timed  # noqa: E402
 from train.camera import Camera  # noqa: E402
+from train.cli import HelpFormatter  # noqa: E402
 from train.losses import photometric_loss  # noqa: E402
 from train.render import project, rasterize, render  # noqa: E402
 from train.render.reference import rasterize_dense  # noqa: E402
 from train.render.scenes import SH_C0, load_garden  # noqa: E402
 from train.render.semantics import num_sh_bases  # noqa: E402
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 OPENSPLAT_SECONDS = {10_000: 1.35, 50_000: 2.18}  # per iteration at 270x480 on this machine (issue text)
 SECTIONS = ("reference", "garden", "train")
-
-
-def _ms(value: float) -> str:
-    value = float(value)
-    return f"{value:.{1 if value < 10 else 0}f}"
-
-
-class Ms(float):
-    """Best-of-N wall-clock milliseconds, with the median and the CPU time of the best run (all
-    threads). Other processes share these cores: the best run is the closest to the code's own
-    cost, the median is a busy day, and CPU time / threads is what an idle machine would take."""
-
-    median: float
-    cpu: float
-
-    def __new__(cls, times: list[tuple[float, float]]) -> "Ms":
-        wall, cpu = min(times)
-        ms = super().__new__(cls, 1e3 * wall)
-        ms.median = 1e3 * float(np.median([t[0] for t in times]))
-        ms.cpu = 1e3 * cpu
-        return ms
-
-    def __format__(self, spec: str) -> str:  # spec: alignment and width only
-        return format(f"{_ms(self)} ({_ms(self.median)}) {_ms(self.cpu)}", spec)
-
-
-def timed(fn: Callable[[], object], repeats: int, calls: int = 1) -> Ms:
-    """Milliseconds per call of `fn` over `repeats` runs of `calls` calls each (one run's figure is
-    its mean call), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(calls):
-            fn()
-        times.append(((time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls))
-    return Ms(times)
 
 
 def leaves(splats: dict) -> dict:
@@ -139,8 +102,8 @@ def bench_garden(data: Path, repeats: int) -> None:
     print(f"ms: best of {repeats} (median) cpu-time of the best, mean over the cameras:")
     for key, values in stages.items():
         if key in results:
-            print(f"{key:>30}: {_ms(np.mean(values)):>5} ({_ms(np.mean([v.median for v in values]))}) "
-                  f"{_ms(np.mean([v.cpu for v in values]))}")
+            print(f"{key:>30}: {format_ms(np.mean(values)):>5} ({format_ms(np.mean([v.median for v in values]))}) "
+                  f"{format_ms(np.mean([v.cpu for v in values]))}")
         else:
             print(f"{key:>30}: {np.mean(values):>5.0f}")
     probe = subprocess.run([sys.executable, "-m", "tools.bench", "render", "--memory-probe", "--data", str(data)],
@@ -245,9 +208,9 @@ def bench_train(data: Path, repeats: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench render", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.bench render", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    parser.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
     parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS, help="sections to leave out")
     parser.add_argument("--threads", type=int, default=None, help="torch and numba threads (default: as set)")
     parser.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)

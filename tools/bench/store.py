@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from storage import CodecConfig, Store, StoreError
-from storage.schema import block_schema, bytes_per_gaussian, num_sh_rest
+from storage.schema import block_schema, bytes_per_gaussian
+from tools.scenes import scene_block
+from train.cli import HelpFormatter
 
 REPO = Path(__file__).resolve().parents[2]
 CODECS = {  # every one with crc32c unless named "no crc"
@@ -38,36 +40,6 @@ CODECS = {  # every one with crc32c unless named "no crc"
     "raw": CodecConfig(cname="none"),
     "raw, no crc": CodecConfig(cname="none", checksum=False),
 }
-SH_C0 = 0.28209479177387814
-
-
-def scene_block(points: np.ndarray, colors: np.ndarray, rows: int, sh_degree: int, seed: int, trained: bool = True) -> dict[str, np.ndarray]:
-    """rows Gaussians at real scene points (sampled, jittered) with trained-looking values, or
-    (trained=False) as right after initialisation: shN, Adam state and statistics all zero."""
-    rng = np.random.default_rng(seed)
-    pick = rng.integers(0, len(points), rows)
-    f32 = np.float32
-    k = num_sh_rest(sh_degree)
-    params = {
-        "means": (points[pick] + rng.normal(0, 1e-3, (rows, 3))).astype(f32),
-        "scales": rng.uniform(-6.0, -1.0, (rows, 3)).astype(f32),
-        "quats": rng.standard_normal((rows, 4)).astype(f32),
-        "opacities": rng.normal(0.0, 3.0, rows).astype(f32),
-        "sh0": ((colors[pick].astype(f32) / 255 - 0.5) / SH_C0)[:, None, :],
-        "shN": rng.normal(0.0, 0.1, (rows, k, 3)).astype(f32),
-    }
-    block = dict(params)
-    for name, a in params.items():
-        block[f"exp_avg_{name}"] = rng.normal(0.0, 1e-3, a.shape).astype(f32)
-        block[f"exp_avg_sq_{name}"] = (rng.normal(0.0, 1e-3, a.shape) ** 2).astype(f32)
-    block["adam_step"] = rng.integers(0, 7000, rows).astype(np.int32)
-    block["grad2d"] = np.abs(rng.normal(0, 1e-4, rows)).astype(f32)
-    block["count"] = rng.integers(0, 500, rows).astype(np.int32)
-    block["max_radii"] = rng.uniform(0, 0.05, rows).astype(f32)
-    if not trained:
-        block = {n: a if n in ("means", "scales", "quats", "opacities", "sh0") else np.zeros_like(a) for n, a in block.items()}
-    assert set(block) == set(block_schema(sh_degree))
-    return block
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -186,17 +158,19 @@ def paging(work: Path, blocks: list[dict[str, np.ndarray]], sh_degree: int, step
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench store", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=Path(os.environ.get("OCTOSPLAT_DATA", REPO.parent / "shared" / "data")) / "test_garden.npz")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench store", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path(os.environ.get("OCTOSPLAT_DATA", REPO.parent / "shared" / "data")) / "test_garden.npz",
+                        help="gsplat's garden npz, whose SfM points and colours fill the blocks")
     parser.add_argument("--rows", type=int, default=65536, help="Gaussians per block in the throughput runs")
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=4, help="blocks per codec in the throughput runs")
     parser.add_argument("--repeats", type=int, default=5, help="reads of every block per codec")
     parser.add_argument("--codecs", default=";".join(CODECS), help=f"';'-separated, from {list(CODECS)}")
-    parser.add_argument("--sh-degree", type=int, default=3)
+    parser.add_argument("--sh-degree", type=int, default=3, help="SH degree of the blocks")
     parser.add_argument("--content", default="trained,fresh", help="trained (noise in every array) and/or fresh (just initialised)")
-    parser.add_argument("--paging-rows", type=int, default=16384)
-    parser.add_argument("--paging-blocks", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--paging-rows", type=int, default=16384, help="Gaussians per block in the paging run")
+    parser.add_argument("--paging-blocks", type=int, default=12, help="blocks in the paging run")
+    parser.add_argument("--steps", type=int, default=48, help="steps of the paging run")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temp dir, removed after)")
     args = parser.parse_args(argv)
     codecs = args.codecs.split(";")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +18,12 @@ from scipy.spatial import cKDTree
 from octree import RootCube, build_octree, leaves_from_sorted_codes, locate
 from storage.schema import bytes_per_gaussian
 from tools.bench import data_dir
-from tools.synthetic import clustered_points, random_colors
+from tools.bench.timing import timed
+from tools.scenes import clustered_points, random_colors
 from tools.tile import TileConfig, tile
+from train.cli import HelpFormatter
 
 TARGET_BUILD_RATE = 2e6  # points per second the issue asks of the octree build
-
-
-def _timed(fn, repeat: int = 1) -> float:
-    best = np.inf
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def argsort_build(points: np.ndarray, max_per_block: int) -> None:
@@ -58,9 +50,9 @@ def bench_scene(name: str, means: np.ndarray, colors: np.ndarray, cfg: TileConfi
     n = len(means)
     src = work / f"{name}.npz"
     np.savez(src, means3d=means, colors=colors)
-    ours_build = _timed(lambda: build_octree(means, cfg.max_per_block), repeat)
-    ref_build = _timed(lambda: argsort_build(means, cfg.max_per_block), repeat)
-    ref_init = _timed(lambda: gsplat_init(means))
+    ours_build = timed(lambda: build_octree(means, cfg.max_per_block), repeat, warmup=False).seconds
+    ref_build = timed(lambda: argsort_build(means, cfg.max_per_block), repeat, warmup=False).seconds
+    ref_init = timed(lambda: gsplat_init(means), warmup=False).seconds
     summary = tile(src, work / f"{name}.zarr", cfg)
     shutil.rmtree(work / f"{name}.zarr")
     raw = n * bytes_per_gaussian(summary.sh_degree)
@@ -76,10 +68,11 @@ def bench_scene(name: str, means: np.ndarray, colors: np.ndarray, cfg: TileConfi
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench tile", description=__doc__)
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.bench tile", description=__doc__)
     p.add_argument("--points", type=int, default=10_000_000, help="synthetic points (clustered)")
-    p.add_argument("--max-per-block", type=int, default=TileConfig.max_per_block)
-    p.add_argument("--memory-mb", type=float, default=TileConfig.memory_mb)
+    p.add_argument("--max-per-block", type=int, default=TileConfig.max_per_block, help="the octree's leaf cap")
+    p.add_argument("--memory-mb", type=float, default=TileConfig.memory_mb,
+                   help="the tiler's memory budget (an external sort beyond it)")
     p.add_argument("--repeat", type=int, default=2, help="best of this many octree builds")
     p.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     args = p.parse_args(argv)

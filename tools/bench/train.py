@@ -40,10 +40,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from plyfile import PlyData, PlyElement
 
 from storage import Store, StoreError
 from storage.schema import bytes_per_gaussian
+from tools.bench import data_dir
+from tools.scenes import make_wall, wall_grid, wall_points
+from train.cli import HelpFormatter
 from train.config import TrainConfig
 from train.data import DataConfig, load_scene
 from train.losses import photometric_loss, psnr, ssim
@@ -52,11 +54,10 @@ from train.schedule import Schedule
 from train.trainer import load_cameras, look_features
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = REPO.parent / "shared" / "data"
+DEFAULT_DATA = data_dir()
 MPIRUN = Path(sys.executable).parent / "mpirun"
 SECTIONS = ("overhead", "memory", "quality")
 MiB = 2**20
-WALL_GAP = 10.0  # metres between neighbouring walls of a grid: no camera sees past its own wall
 OVERHEAD_TARGET = 1.10
 # gsplat simple_trainer's Adam learning rates at batch size 1 (means: times the scene scale).
 GSPLAT_LR = {"means": 1.6e-4, "scales": 5e-3, "quats": 1e-3, "opacities": 5e-2, "sh0": 2.5e-3, "shN": 2.5e-3 / 20}
@@ -113,50 +114,6 @@ def scratch(keep: Path | None) -> Iterator[Path]:
 
 
 # ---- scenes and stores ----
-
-def make_wall(work: Path, options: Sequence[str]) -> Path:
-    """The `tools.make_scene wall` dataset with `options`, made once per work folder (named after them)."""
-    out = work / "-".join(["wall", *(o.lstrip("-") for o in options)])
-    if not (out / "transforms.json").is_file():
-        run_child(python_module("tools.make_scene", "wall", out, "--overwrite", *options), "tools.make_scene wall")
-    return out
-
-
-def wall_grid(base: Path, out: Path, copies: int) -> Path:
-    """`copies` of the wall dataset `base` as one dataset: walls side by side along x and stacked
-    along z (storeys in the air), WALL_GAP apart; frames and points shifted, images linked (a
-    camera's photo is the same at every wall). A grid, not one long row: the tiler normalises the
-    scene to a few units across and the renderer drops what is nearer than 0.01 units, so a
-    3 km row would put the wall in front of every camera inside the near plane."""
-    if (out / "transforms.json").is_file():
-        return out
-    meta = json.loads((base / "transforms.json").read_text())
-    points = PlyData.read(str(base / meta["ply_file_path"]))["vertex"].data
-    pitch = {axis: float(points[axis].max() - points[axis].min()) + WALL_GAP for axis in "xz"}
-    columns = int(np.ceil(np.sqrt(copies)))
-    (out / "images").mkdir(parents=True)
-    parts, frames = [], []
-    for k in range(copies):
-        offset = {"x": (k % columns) * pitch["x"], "z": (k // columns) * pitch["z"]}
-        shifted = points.copy()
-        for axis, d in offset.items():
-            shifted[axis] += d
-        parts.append(shifted)
-        for frame in meta["frames"]:
-            name = f"images/c{k:03d}_{Path(frame['file_path']).name}"
-            os.symlink((base / frame["file_path"]).resolve(), out / name)
-            c2w = np.array(frame["transform_matrix"], dtype=np.float64)
-            c2w[[0, 2], 3] += [offset["x"], offset["z"]]
-            frames.append({**frame, "file_path": name, "transform_matrix": c2w.tolist()})
-    PlyData([PlyElement.describe(np.concatenate(parts), "vertex")], byte_order="<").write(str(out / "points3d.ply"))
-    (out / "transforms.json").write_text(json.dumps({**meta, "frames": frames, "ply_file_path": "points3d.ply"}))
-    return out
-
-
-def wall_points(base: Path) -> int:
-    """Points (hence initial Gaussians) of one wall of a grid."""
-    return int(PlyData.read(str(base / "points3d.ply"))["vertex"].count)
-
 
 def copy_dataset(src: Path, out: Path) -> Path:
     """A writable copy (the shared data is read-only, and the trainer caches downscaled photos beside them)."""
@@ -454,7 +411,7 @@ QUICK_WALL = ("--gaussians", "10000", "--cameras", "16")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.bench train",
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.bench train",
                                 description="out-of-core overhead, memory and quality of the trainer")
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="small scenes and few steps (a smoke run)")

@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from train.cli import HelpFormatter
 from tools.bench.train import python_module, run_child, scratch  # noqa: E402
 
 SIZES = ((640, 480), (1280, 720))
@@ -65,7 +66,7 @@ def _paths(work: Path, cfg: ViewBenchConfig) -> tuple[Path, Path, Path]:
 def write_city(source: Path, cameras: Path, cfg: ViewBenchConfig) -> None:
     """In a child process: Linux keeps a process's peak RSS across fork and exec, so a parent that
     held the city would hand its peak to every measuring child."""
-    from tools.city import CityConfig, generate_city
+    from tools.scenes import CityConfig, generate_city
     from tools.ply import write_ply
 
     city = generate_city(CityConfig(blocks=cfg.city_blocks))
@@ -150,7 +151,7 @@ def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchCo
 def _parser() -> argparse.ArgumentParser:
     d = ViewBenchConfig()
     p = argparse.ArgumentParser(prog="python -m tools.bench view", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--work", type=Path, default=None, help="keep the city, its store and PLY here (default: a temp folder)")
     p.add_argument("--frames", type=int, default=d.frames, help="timed frames per size")
     p.add_argument("--cache-mb", type=float, default=d.cache_mb, help="the viewer's block cache budget")

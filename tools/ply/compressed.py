@@ -221,12 +221,14 @@ class CompressedPly:
             )
         sh = header.element("sh")
         n_rest = len(sh.names) if sh else 0
+        self._rest_names = [f"f_rest_{j}" for j in range(n_rest)]
+        if sh and sorted(sh.names) != sorted(self._rest_names):
+            raise PlyError(self.path, f"compressed PLY 'sh' element's properties are not f_rest_0 .. f_rest_{n_rest - 1}")
         if n_rest not in SH_DEGREE_OF_REST or (sh and sh.count != self.count):
             raise PlyError(self.path, f"compressed PLY 'sh' element has {n_rest} properties x {sh.count if sh else 0} rows; "
                            f"expected an SH degree's f_rest count x {self.count}")  # fmt: skip
         self.sh_degree = SH_DEGREE_OF_REST[n_rest]
         self._sh = element_data(header, "sh") if n_rest else None
-        self._rest_names = [f"f_rest_{j}" for j in range(n_rest)]
 
     def read(self, start: int, stop: int) -> Splats:
         vertex = columns(self._vertex[start:stop], _PACKED, np.uint32)

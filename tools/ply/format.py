@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,7 @@ def _ascii_rows(header: PlyHeader, target: PlyElement) -> np.ndarray:
     with open(header.path, "rb") as f:
         f.seek(header.data_offset)
         # Stops at the end of the file, whatever the header declares (a count of 10^12 is one line).
-        lines = [line for line in itertools.islice(f, skip + target.count) if line.strip()]
+        lines = [line for line in itertools.islice(f, min(skip + target.count, sys.maxsize)) if line.strip()]
         extra = sum(1 for line in f if line.strip()) if last else 0
     lines = lines[skip:]
     if len(lines) < target.count:

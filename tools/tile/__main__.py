@@ -12,12 +12,14 @@ from tools.leftovers import LeftoverWarning
 from tools.ply import PlyError
 from tools.tile.config import TileConfig, TileError
 from tools.tile.pipeline import TileSummary, tile
+from train.cli import HelpFormatter
 
 _PROGRESS_ROWS = 1_000_000  # show progress bars from this many input rows (on a terminal)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="python -m tools.tile",
         description="Build an OctoSplat scene store from a COLMAP or transforms.json dataset, a point-cloud "
         "PLY, a trained 3DGS PLY (standard or compressed) or an npz with means3d and colors.",
@@ -28,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-cell-size", type=float, help=f"do not split cells narrower than this (default: {MAX_DEPTH} levels)")
     p.add_argument("--sh-degree", type=int, help="SH degree (default: the trained PLY's, or 3 for points)")
     p.add_argument("--data-factor", type=int, default=1, help="image downscale factor for datasets")
-    p.add_argument("--voxel-size", type=float, help="average point clouds in voxels of this size first (open3d)")
+    p.add_argument("--voxel-size", type=float, help="average point clouds in voxels of this size first (open3d; default: no averaging)")
     p.add_argument("--init-random", type=int, default=TileConfig.init_random, help="Gaussians for datasets without points")
     p.add_argument("--init-opacity", type=float, default=TileConfig.init_opacity, help="opacity of Gaussians from points")
     p.add_argument("--seed", type=int, default=0, help="seed of random initialisation")

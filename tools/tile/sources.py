@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -133,7 +134,7 @@ def _npz(path: Path) -> Source:
                     _check_npz_member(path, data.zip, name)
             means = data["means3d"]
             colors = data["colors"] if "colors" in data else None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as e:
+    except (OSError, ValueError, zipfile.BadZipFile, zlib.error, EOFError, KeyError) as e:  # zlib: corrupt deflate
         raise TileError(f"{path}: unreadable npz ({e})") from None
     if means.ndim != 2 or means.shape[1] != 3 or means.dtype.kind not in "fiu":
         raise TileError(f"{path}: 'means3d' must be a numeric [N, 3] array, got {means.dtype} {means.shape}")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tools.view.config import ViewConfig, ViewError
+from train.cli import HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,10 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tools.view",
         description="Browse a block store in the browser (only the blocks in view are paged in), "
                     "or render PNGs and a block map headless.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("store", help="store written by `python -m tools.tile` or `python -m train` (opened read-only)")
-    p.add_argument("--data", default=None, help="dataset whose training and held-out cameras to show and render from")
+    p.add_argument("--data", default=None, help="dataset whose training and held-out cameras to show and render from (default: none: no cameras)")
     p.add_argument("--ranks", type=int, default=1, help="colour blocks by owner among R ranks (the trainer's partition)")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0 exposes the scene to the network)")
     p.add_argument("--port", type=int, default=8080, help="port to serve on")
@@ -24,13 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=512.0, help="block cache budget for rendering, MiB")
     p.add_argument("--follow", action="store_true", help="re-read HEAD every few seconds and show the newest commit")
     headless = p.add_argument_group("headless (no server)")
-    headless.add_argument("--render", metavar="OUT_DIR", default=None, help="write a PNG per camera of --cameras here")
+    headless.add_argument("--render", metavar="OUT_DIR", default=None, help="write a PNG per camera of --cameras here (default: none: serve the browser viewer)")
     headless.add_argument("--cameras", default="all",
                           help="all | train | test | i,j,... (indices into training then held-out) | orbit:N")
-    headless.add_argument("--width", type=int, default=None, help="image width (unset: the camera's own; orbit 640; map 1024)")
-    headless.add_argument("--height", type=int, default=None, help="image height (unset: the camera's own; orbit 480)")
+    headless.add_argument("--width", type=int, default=None, help="image width (default: the camera's own; orbit 640; map 1024)")
+    headless.add_argument("--height", type=int, default=None, help="image height (default: the camera's own; orbit 480)")
     headless.add_argument("--outline", action="store_true", help="draw the block boxes over the renders")
-    headless.add_argument("--map", metavar="OUT.png", default=None, help="write a top-down map of the blocks coloured by owner")
+    headless.add_argument("--map", metavar="OUT.png", default=None, help="write a top-down map of the blocks coloured by owner (default: none)")
     return p
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from train.cli import HelpFormatter
 from train.data.config import DataConfig
 from train.data.errors import DatasetError
 from train.data.scene import SceneData, load_scene
@@ -28,14 +29,14 @@ def _test_every(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.data", description=__doc__)
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m train.data", description=__doc__)
     p.add_argument("path", type=Path, help="dataset folder (COLMAP sparse/ + images/, or transforms.json)")
     p.add_argument("--data-factor", type=_positive, default=1, help="downscale images by this factor")
     p.add_argument("--test-every", type=_test_every, default=8, help="hold out every Nth image (0: none)")
     p.add_argument("--no-normalize", action="store_true", help="keep the input's world frame")
     p.add_argument("--allow-external-images", action="store_true",
                    help="follow image paths that lead out of the dataset (transforms.json file_path, COLMAP image names)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="where downscaled/undistorted images go")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where downscaled/undistorted images go (default: images_<N>/ beside images/, or ~/.cache/octosplat/ where the dataset is read-only)")
     p.add_argument("--load-images", action="store_true",
                    help="load every image once (fills the cache and proves every image decodes)")
     return p

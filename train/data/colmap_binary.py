@@ -12,6 +12,7 @@ from train.data.fileio import atomic_write, read_bytes
 
 _OBSERVATION = np.dtype([("xy", "<f8", (2,)), ("id", "<i8")])
 _TRACK_ENTRY = np.dtype([("image", "<i4"), ("idx", "<i4")])
+_MAX_POINT_ID = 2**63 - 1  # stored as uint64, used as int64 (-1: no point) everywhere
 
 
 class _Reader:
@@ -107,7 +108,10 @@ def read_points(path: Path) -> ColmapPoints:
     offsets, tracks = np.zeros(n + 1, np.int64), []
     for i in range(n):
         r.record = f"record {i}"
-        ids[i], *xyz[i], rgb[i, 0], rgb[i, 1], rgb[i, 2], err[i] = r.unpack("Q3d3Bd")
+        pid, *xyz[i], rgb[i, 0], rgb[i, 1], rgb[i, 2], err[i] = r.unpack("Q3d3Bd")
+        if pid > _MAX_POINT_ID:
+            raise ColmapError(path, f"point id {pid} is beyond the int64 point ids COLMAP's files hold", r.record)
+        ids[i] = pid
         track = r.array(_TRACK_ENTRY, r.count("track entries", _TRACK_ENTRY.itemsize))
         offsets[i + 1] = offsets[i] + len(track)
         tracks.append(track)

@@ -37,8 +37,16 @@ def _check_count(path: Path, declared: int | None, found: int, noun: str) -> Non
 def _parse(path: Path, lineno: int, what: str, conv, text: str):
     try:
         return conv(text)
-    except ValueError:
-        raise ColmapError(path, f"cannot parse {what} from {text!r}", f"line {lineno}") from None
+    except (ValueError, OverflowError):  # Overflow: an integer beyond int64
+        raise ColmapError(path, f"cannot parse {what} from {text!r:.80}", f"line {lineno}") from None
+
+
+def _id(text: str) -> int:
+    """An id, held in int64 arrays later: a larger one must fail here, naming its line."""
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise OverflowError(text)
+    return value
 
 
 def _floats(path: Path, lineno: int, what: str, tokens: list[str]) -> np.ndarray:
@@ -59,7 +67,7 @@ def read_cameras(path: Path) -> dict[int, ColmapCamera]:
         tok = line.split()
         if len(tok) < 4:
             raise ColmapError(path, f"expected CAMERA_ID MODEL WIDTH HEIGHT PARAMS..., got {line!r}", f"line {n}")
-        cid = _parse(path, n, "camera id", int, tok[0])
+        cid = _parse(path, n, "camera id", _id, tok[0])
         if tok[1] not in CAMERA_MODELS:
             raise ColmapError(path, f"unknown camera model {tok[1]!r}", f"line {n}")
         nparams = CAMERA_MODELS[tok[1]][1]
@@ -89,9 +97,9 @@ def read_images(path: Path) -> dict[int, ColmapImage]:
         if len(tok) < 10:
             raise ColmapError(path, "expected IMAGE_ID QW QX QY QZ TX TY TZ CAMERA_ID NAME, got "
                               f"{line!r}", f"line {n}")
-        iid = _parse(path, n, "image id", int, tok[0])
+        iid = _parse(path, n, "image id", _id, tok[0])
         pose = _floats(path, n, "pose", tok[1:8])
-        cid = _parse(path, n, "camera id", int, tok[8])
+        cid = _parse(path, n, "camera id", _id, tok[8])
         if n >= len(lines):
             raise ColmapError(path, f"image {iid} has no POINTS2D line (truncated?)", f"line {n}")
         obs = _floats(path, n + 1, "POINTS2D", [lines[n]])
@@ -119,7 +127,7 @@ def read_points(path: Path) -> ColmapPoints:
         if len(tok) < 8 or (len(tok) - 8) % 2:
             raise ColmapError(path, "expected POINT3D_ID X Y Z R G B ERROR and (IMAGE_ID, POINT2D_IDX) pairs, "
                               f"got {len(tok)} fields", f"line {n}")
-        ids.append(_parse(path, n, "point id", int, tok[0]))
+        ids.append(_parse(path, n, "point id", _id, tok[0]))
         values = _floats(path, n, "point", tok[1:8])
         colour = values[3:6]
         if not ((colour >= 0) & (colour <= 255) & (colour == np.round(colour))).all():
@@ -128,6 +136,8 @@ def read_points(path: Path) -> ColmapPoints:
         rgb.append(colour)
         err.append(values[6])
         track = _parse(path, n, "track", lambda t: np.array(t.split(), dtype=np.int64), " ".join(tok[8:]))
+        if ((track < -(2**31)) | (track >= 2**31)).any():  # stored as int32: it would wrap onto another image
+            raise ColmapError(path, "track holds a value beyond int32", f"line {n}")
         lengths.append(len(track) // 2)
         tracks.append(track)
     _check_count(path, declared, len(ids), "points")

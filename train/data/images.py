@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import imagecodecs
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,9 @@ from train.camera import Camera
 from train.data.errors import ImageError
 from train.data.fileio import atomic_write, read_bytes
 from train.data.intrinsics import Intrinsics, undistort_map
-from train.data.png16 import encode_png16, png_bit_depth, read_png16
 
 _GREY16 = ("I;16", "I;16B", "I;16L", "I")
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,26 @@ def image_size(path: Path) -> tuple[int, int]:
         raise ImageError(path, f"not a readable image ({e})") from None
 
 
+def png_bit_depth(header: bytes) -> int | None:
+    """The bit depth in a PNG's first 26 bytes, or None if they are not a PNG header."""
+    if len(header) < 26 or not header.startswith(_PNG_SIGNATURE) or header[12:16] != b"IHDR":
+        return None
+    return header[24]
+
+
+def _read_png16(path: Path, data: bytes) -> np.ndarray:  # -> [H, W, C] uint16
+    # Pillow reads 16-bit colour PNGs only as 8-bit; libpng (through imagecodecs) keeps every bit.
+    try:
+        image = imagecodecs.png_decode(data)
+    except imagecodecs.PngError as e:
+        raise ImageError(path, f"corrupt PNG ({e})") from None
+    return image[..., None] if image.ndim == 2 else image
+
+
 def read_image(path: Path) -> np.ndarray:  # -> [H, W, 3 or 4] uint8 or uint16
     data = read_bytes(path, ImageError)
     if png_bit_depth(data[:26]) == 16:
-        image = read_png16(path, data)
+        image = _read_png16(path, data)
     else:
         try:
             with Image.open(io.BytesIO(data)) as im:
@@ -77,7 +94,7 @@ def _pil_to_array(im: Image.Image) -> np.ndarray:  # [H, W, C]
 
 def encode_image(image: np.ndarray) -> bytes:  # [H, W, C] uint8 or uint16 -> PNG
     if image.dtype == np.uint16:
-        return encode_png16(image)
+        return imagecodecs.png_encode(image, level=1)
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,7 @@ _PINHOLE_MODELS = ("OPENCV", "PINHOLE", "SIMPLE_PINHOLE")
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".PNG", ".JPG", ".JPEG")
 _OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flip the camera's y and z axes
 _NGP_SCALE = 0.33  # instant-ngp's default world-to-unit-cube scale
+_FLOAT_MAX = sys.float_info.max
 
 
 class DatasetWarning(UserWarning):
@@ -37,8 +39,10 @@ def transforms_file(path: Path) -> Path:
 
 
 def _number(file: Path, where: str, key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TransformsError(file, f"{key} must be a finite number, got {value!r}", where)
+    # NaN and inf fail the comparison, and so does an int too large for a float (which would make
+    # math.isfinite raise)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -_FLOAT_MAX <= value <= _FLOAT_MAX:
+        raise TransformsError(file, f"{key} must be a finite number, got {value!r:.40}", where)
     return float(value)
 
 
@@ -48,15 +52,13 @@ def _check_inside(file: Path, where: str, key: str, name: str, allow_external: b
                               "(pass --allow-external-images to follow it)", where)
 
 
-def _image_path(base: Path, file_path: str) -> Path | None:
-    path = base / file_path
-    if path.is_file():
-        return path
-    if not path.suffix:  # instant-ngp's Blender scenes name frames without their extension
-        for suffix in _IMAGE_SUFFIXES:
-            if path.with_suffix(suffix).is_file():
-                return path.with_suffix(suffix)
-    return None
+def _image_path(file: Path, where: str, file_path: str) -> Path | None:
+    path = file.parent / file_path
+    candidates = [path] if path.suffix else [path, *(path.with_suffix(s) for s in _IMAGE_SUFFIXES)]
+    try:  # a suffix-less name: instant-ngp's Blender scenes name frames without their extension
+        return next((c for c in candidates if c.is_file()), None)
+    except OSError as e:  # is_file() lets a name too long for the file system through
+        raise TransformsError(file, f"file_path {file_path!r:.80}: {e.strerror or e}", where) from None
 
 
 def _pose(file: Path, where: str, frame: dict) -> np.ndarray:  # -> [4, 4] world-to-camera, OpenCV
@@ -64,7 +66,7 @@ def _pose(file: Path, where: str, frame: dict) -> np.ndarray:  # -> [4, 4] world
         c2w = np.array(frame["transform_matrix"], dtype=np.float64)
     except KeyError:
         raise TransformsError(file, "frame has no transform_matrix", where) from None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # Overflow: an integer too large for a float
         raise TransformsError(file, "transform_matrix is not a matrix of numbers", where) from None
     if c2w.shape == (3, 4):
         c2w = np.vstack([c2w, [0.0, 0.0, 0.0, 1.0]])
@@ -132,6 +134,8 @@ def read_transforms_scene(path: Path, allow_external: bool = False) -> RawScene:
         meta = json.loads(read_text(file, TransformsError))
     except json.JSONDecodeError as e:
         raise TransformsError(file, f"not JSON: {e.msg}", f"line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # a number of over 4300 digits; arrays nested too deep
+        raise TransformsError(file, f"not JSON that can be read: {e}") from None
     frames = meta.get("frames") if isinstance(meta, dict) else None
     if not isinstance(frames, list) or not frames:
         raise TransformsError(file, "no frames (expected a non-empty list under \"frames\")")
@@ -146,7 +150,7 @@ def read_transforms_scene(path: Path, allow_external: bool = False) -> RawScene:
         where = f"frames[{i}] ({frame['file_path']})"
         viewmat = _pose(file, where, frame)
         _check_inside(file, where, "file_path", frame["file_path"], allow_external)
-        image = _image_path(file.parent, frame["file_path"])
+        image = _image_path(file, where, frame["file_path"])
         if image is None:
             missing.append(frame["file_path"])
             continue

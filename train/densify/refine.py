@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from octree.keys import BlockKey, parse_key
 from octree.restructure import cell_holds, home_cells, plan_merges, split_rows
