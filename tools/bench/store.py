@@ -21,13 +21,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from storage import CodecConfig, Store, StoreError
 from storage.schema import block_schema, bytes_per_gaussian
+from tools.bench.timing import once
 from tools.scenes import scene_block
 from train.cli import HelpFormatter
 
@@ -57,12 +57,6 @@ def files_under(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def npy_write(folder: Path, block: dict[str, np.ndarray]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, a in block.items():
@@ -90,7 +84,7 @@ def throughput(work: Path, blocks: list[dict[str, np.ndarray]], sh_degree: int, 
             order = [("write", lambda b=block: infos.append(store.write_block(f"2-{i:x}", b, (0,) * 3 + (1,) * 3))),
                      ("npy write", lambda d=npy_dir, b=block: npy_write(d, b))]
             for label, fn in order if i % 2 == 0 else order[::-1]:
-                t[label].append(timed(fn))
+                t[label].append(once(fn))
         store.commit({info.key: info for info in infos})
         stored = sum(p.stat().st_size for p in files_under(work / f"{codec_name}.zarr" / "blocks"))
         for rep in range(repeats):
@@ -101,8 +95,8 @@ def throughput(work: Path, blocks: list[dict[str, np.ndarray]], sh_degree: int, 
                          ("npy ", lambda d=npy_dir: npy_read(d, names), files_under(npy_dir))]
                 for prefix, fn, files in cases if (rep + i) % 2 == 0 else cases[::-1]:
                     drop_page_cache(files)
-                    t[prefix + "cold"].append(timed(fn))
-                    t[prefix + "hot"].append(timed(fn))
+                    t[prefix + "cold"].append(once(fn))
+                    t[prefix + "hot"].append(once(fn))
         med = {k: statistics.median(v) for k, v in t.items()}
         mbs = {k: raw / v / 1e6 for k, v in med.items()}
         rows.append(
@@ -125,7 +119,7 @@ def paging(work: Path, blocks: list[dict[str, np.ndarray]], sh_degree: int, step
     read_s = []
     for k in keys:
         drop_page_cache(files[k])
-        read_s.append(timed(lambda key=k: store.read_block(key)))
+        read_s.append(once(lambda key=k: store.read_block(key)))
     compute_s = 1.5 * statistics.median(read_s)
     schedule = [[keys[s % len(keys)], keys[(s + 1) % len(keys)]] for s in range(steps)]
     results, first_wait = {}, {}

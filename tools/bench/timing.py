@@ -48,3 +48,9 @@ def timed(fn: Callable[[], object], repeats: int = 1, calls: int = 1, warmup: bo
             fn()
         times.append(((time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls))
     return Ms(times)
+
+
+def once(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of `fn`, no warm-up: for a call that changes what the next one
+    meets (a first write, a cold read)."""
+    return timed(fn, warmup=False).seconds
