@@ -15,6 +15,7 @@ from pathlib import Path
 from octree.semantics import MAX_SH_DEGREE
 from train.cli import HelpFormatter
 from train.densify.config import ConfigError, DensifyConfig
+from train.losses import SSIM_LAMBDA
 from train.occlusion import OCCLUSION_MODES
 from train.optim import ADAM_MODES, AdamConfig
 
@@ -34,7 +35,7 @@ class OptimConfig:
     quats_lr: float = 1e-3  # rotations
     sh0_lr: float = 2.5e-3  # SH degree 0 (the base colour)
     shN_lr: float | None = None  # SH degrees 1 and up (default: sh0_lr / 20)
-    ssim_lambda: float = 0.2  # loss = (1 - ssim_lambda) L1 + ssim_lambda (1 - SSIM)
+    ssim_lambda: float = SSIM_LAMBDA  # loss = (1 - ssim_lambda) L1 + ssim_lambda (1 - SSIM)
 
     def __post_init__(self) -> None:
         if self.shN_lr is None:

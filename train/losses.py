@@ -8,6 +8,8 @@ from torch import Tensor
 from train.ssim import WINDOW as SSIM_WINDOW  # smaller images fall back to L1
 from train.ssim import fused_ssim_applies, ssim_cpu
 
+SSIM_LAMBDA = 0.2  # the D-SSIM term's weight in 3DGS's loss (gsplat's --ssim-lambda)
+
 
 def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scalar
     """Structural similarity as 3DGS computes it (11x11 Gaussian window, sigma 1.5, valid region)."""
@@ -16,7 +18,7 @@ def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scala
     return _ssim(x, y, data_range=1.0, size_average=True)
 
 
-def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = 0.2) -> Tensor:
+def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> Tensor:
     """rendered, target: [H, W, 3] in [0, 1]; returns a scalar."""
     l1 = (rendered - target).abs().mean()
     if min(rendered.shape[0], rendered.shape[1]) < SSIM_WINDOW or ssim_lambda == 0.0:

@@ -25,7 +25,7 @@ from octree.boxes import extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
-from train.losses import photometric_loss, psnr
+from train.losses import SSIM_LAMBDA, photometric_loss, psnr
 from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
@@ -241,7 +241,7 @@ def rasterize_and_loss(
     backend: str,
     stats: StepStats,
     absgrad: bool = False,  # also the absolute per-pixel 2D mean gradients (gsplat's absgrad)
-    ssim_lambda: float = 0.2,  # the D-SSIM term's weight in the loss
+    ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
 ) -> Rendered:
     n_cams = len(cameras)
     out = Rendered([], [], {}, {})
@@ -369,7 +369,7 @@ def train_step(
     adam_step: AdamStep = AdamStep(),  # which rows Adam steps; default: those that reached a pixel
     absgrad: bool = False,  # the statistics sum absolute per-pixel 2D mean gradients (gsplat's absgrad)
     visible: list[list[str]] | None = None,  # per camera: its blocks after occlusion culling (None: its frustum's)
-    ssim_lambda: float = 0.2,  # the D-SSIM term's weight in the loss
+    ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)

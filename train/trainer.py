@@ -241,8 +241,10 @@ class Trainer:
         gt = {i: f.result().to(self.device) for i, f in self.pending.pop(step).items()}
         t0 = time.time()
         visible, culled = self._cull(cams, step)
+        if visible is None:  # culled once here, for the pin below and for the step's paging
+            visible = [self.region.visible(c) for c in cams]
         # This step's blocks are pinned first, so the next step's prefetch evicts others.
-        needed = self.region.union(visible if visible is not None else (self.region.visible(c) for c in cams))
+        needed = self.region.union(visible)
         self.cache.pin(needed)
         try:
             if step + 1 < self.end and not self.densifier.due(step):
