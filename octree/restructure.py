@@ -25,7 +25,7 @@ def cell_holds(key: BlockKey, point_codes: np.ndarray) -> np.ndarray:  # point_c
 
 
 def home_cells(
-    point_codes: np.ndarray,  # [N] int64 finest-level codes of points inside the root cube
+    point_codes: np.ndarray,  # [N] int64 finest-level codes of the points (clamped into the root cube)
     depths: np.ndarray,  # [B] int64 depths of the leaves, in Morton order
     codes: np.ndarray,  # [B] int64 codes of the leaves
 ) -> tuple[np.ndarray, np.ndarray]:  # depths [N] int64, codes [N] int64
@@ -33,8 +33,8 @@ def home_cells(
 
     A point in no leaf gets the largest cell that holds it and is disjoint from every leaf, so
     Gaussians that drift into an empty region share one new block instead of one each.
-    Points outside the root cube are the caller's business: `RootCube.codes` clamps them onto the
-    border cells, which would silently file them into a cell that does not hold them.
+    Points beyond the root cube come as `RootCube.codes` gives them, clamped onto the border
+    cells: the border cells own the space outside the cube (the trainer's policy, docs/densify.md).
     """
     point_codes = np.asarray(point_codes, dtype=np.int64)
     depths = np.asarray(depths, dtype=np.int64)

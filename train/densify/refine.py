@@ -3,8 +3,9 @@ cell, merge small siblings, split full blocks. The trainer commits the result.
 
 Phases (every rank runs every collective, with or without work):
 1. **grow** (each owner, block by block through the cache): the strategy's clone, split and
-   prune on a block's rows; rows whose mean now lies outside the block's cell leave it, rows
-   outside the root cube are dropped (counted: see docs/densify.md).
+   prune on a block's rows; rows whose mean now lies outside the block's cell leave it. A mean
+   beyond the root cube is filed under the border cell that holds it clamped onto the cube, so
+   nothing is lost (see docs/densify.md).
 2. **plan** (one allgather of small tables): every rank learns the new count of every block and
    where the leaving rows go, and computes the same merges (`octree.restructure.plan_merges`).
 3. **route** (one `Exchange.send_rows`): leaving rows, and every row of a block that merges,
@@ -58,7 +59,6 @@ class RefineReport:
     pruned: int = 0
     relocated: int = 0  # MCMC: dead Gaussians removed, their number drawn again among `added`
     added: int = 0  # MCMC: Gaussians drawn by opacity into this rank's blocks
-    dropped: int = 0  # Gaussians whose mean left the root cube (removed)
     migrated_out: int = 0  # rows that left one of this rank's blocks for another block
     migrated_in: int = 0  # rows that arrived in one of this rank's blocks from another block
     blocks_split: int = 0  # blocks over the cap split into their children
@@ -200,16 +200,12 @@ class Refiner:
               report: RefineReport) -> tuple[Block, _Travelling | None]:
         """The rows that stay in the block, and the ones that leave it with their new cells."""
         means = block["means"].detach().cpu().numpy().astype(np.float64)
-        inside = self.root.contains(means)
-        point_codes = self.root.codes(means)
-        stays = inside & cell_holds(parse_key(key), point_codes)
-        report.dropped += int((~inside).sum())
+        point_codes = self.root.codes(means)  # clamped onto the border cells beyond the root cube
+        stays = cell_holds(parse_key(key), point_codes)
         if stays.all():
             return block, None
-        moving = np.flatnonzero(inside & ~stays)
+        moving = np.flatnonzero(~stays)
         kept = take_rows(block, torch.from_numpy(np.flatnonzero(stays)).to(block["means"].device))
-        if not len(moving):
-            return kept, None
         d, c = home_cells(point_codes[moving], depths, codes)
         header = np.zeros((len(moving), _HEADER), np.int64)
         header[:, 0], header[:, 1] = d, c
