@@ -125,3 +125,28 @@ def test_the_bench_layout_uses_the_shared_module():
     for i, c in enumerate(city.cameras):
         seen = frustum_cull(lay.extents, c.viewmat, c.K, c.width, c.height)
         assert affinity[i].tolist() == [int(lay.counts[seen & (lay.block_rank == r)].sum()) for r in range(3)]
+
+
+def test_saved_regions_are_the_ones_a_resume_and_the_viewer_use(wall_scene):
+    store, cameras = wall_scene
+    keys = sorted(store.table, key=lambda k: parse_key(k).morton_rank())
+    balanced = Ownership.balanced(store.table, 3, cameras)
+    skewed = Ownership((parse_key(keys[1]).morton_rank(), parse_key(keys[2]).morton_rank()))  # not balanced
+    assert skewed != balanced
+    state = {"step": 5, "regions": skewed.to_state()}
+    assert Ownership.current(state, store.table, 3, cameras) == skewed
+    assert [skewed.owner(k) for k in keys[:3]] == [0, 1, 2] and {skewed.owner(k) for k in keys[3:]} == {2}
+    # another rank count, or a commit without regions: balanced, as a new run would start
+    assert Ownership.current(state, store.table, 2, cameras) == Ownership.balanced(store.table, 2, cameras)
+    assert Ownership.current({"step": 5}, store.table, 3, cameras) == balanced
+
+
+@pytest.mark.parametrize("regions", [
+    [1, 2], {"ranks": 3}, {"ranks": 3, "cuts": [5]}, {"ranks": 3, "cuts": [9, 5]}, {"ranks": 0, "cuts": []},
+    {"ranks": 2, "cuts": [-1]}, {"ranks": 2, "cuts": [2**64]}, {"ranks": 2, "cuts": [1.5]}, {"ranks": True, "cuts": []},
+    {"ranks": 2, "cuts": [1], "extra": 0},
+])
+def test_malformed_saved_regions_are_refused(wall_scene, regions):
+    store, cameras = wall_scene
+    with pytest.raises(ValueError, match="commit state: 'regions'"):
+        Ownership.current({"regions": regions}, store.table, 3, cameras)

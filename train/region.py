@@ -63,6 +63,30 @@ class Ownership:
         end = 1 << 63  # past every cell: a region with no block starts there
         return cls(tuple(starts[b] if b < len(starts) else end for b in bounds[1:-1]))
 
+    @classmethod
+    def current(cls, state: dict, table: dict, size: int, cameras: list[Camera]) -> "Ownership":
+        """The regions `size` ranks train a commit on: those its trainer saved in the commit's
+        state (`to_state`) when it ran on `size` ranks, rebalanced as it went; else balanced.
+        Raises ValueError when the saved regions are malformed."""
+        saved = state.get("regions")
+        if saved is None:
+            return cls.balanced(table, size, cameras)
+        if not isinstance(saved, dict) or set(saved) != {"ranks", "cuts"}:
+            raise ValueError(f"commit state: 'regions' must be {{'ranks': R, 'cuts': [...]}}, not {saved!r:.80}")
+        ranks, cuts = saved["ranks"], saved["cuts"]
+        if (type(ranks) is not int or ranks < 1 or not isinstance(cuts, list) or len(cuts) != ranks - 1
+                or any(type(c) is not int or not 0 <= c <= 1 << 63 for c in cuts)
+                or any(a > b for a, b in zip(cuts, cuts[1:]))):
+            raise ValueError(f"commit state: 'regions' needs ranks >= 1 and ranks - 1 non-decreasing Morton "
+                             f"ranks in [0, 2^63] as cuts, not {saved!r:.80}")
+        if ranks != size:
+            return cls.balanced(table, size, cameras)
+        return cls(tuple(cuts))
+
+    def to_state(self) -> dict:
+        """The regions as a commit's state keeps them (JSON)."""
+        return {"ranks": self.size, "cuts": list(self.cuts)}
+
     def owner(self, key: str) -> int:
         return bisect.bisect_right(self.cuts, parse_key(key).morton_rank())
 

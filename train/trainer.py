@@ -181,7 +181,10 @@ class Trainer:
         check_strategy(cfg, store)
 
         self.scene = scene = load_cameras(cfg, store)
-        self.ownership = Ownership.balanced(store.table, self.size, scene.train)
+        try:  # a resume keeps the regions its run had rebalanced to (on as many ranks)
+            self.ownership = Ownership.current(store.state, store.table, self.size, scene.train)
+        except ValueError as e:
+            raise TrainError(f"store {cfg.store}: {e}") from e
         self.region = Region.from_table(store.table, self.ownership.keys_of(store.table, self.rank))
         check_overlap(Region.from_table(store.table), scene, store, cfg)
         self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
@@ -286,7 +289,10 @@ class Trainer:
                              f"(the store keeps its last commit, step {self.store.state.get('step', 0)})") from e
         if report is not None:
             self.commit(step + 1)
+            before = self.ownership
             moves = self.rebalance()
+            if self.ownership != before:  # the new regions into a commit: a resume and a viewer see them
+                self.commit(step + 1)
             self.log.write("refine", step + 1, gaussians=_num_gaussians(self.store), owned=int(self.region.counts.sum()),
                            blocks=len(self.store.table), **report.fields(), **moves)
         if step + 1 < self.end:
@@ -323,7 +329,7 @@ class Trainer:
             pending = sorted({k for _, p in parts for k in p})
             cfg = self.cfg
             state = {"step": step, "steps": cfg.steps, "seed": cfg.seed, "global_batch": cfg.batch_size * self.size,
-                     "refine_pending": pending}
+                     "refine_pending": pending, "regions": self.ownership.to_state()}
             self.store.commit(updated, removed, state=state)
         self.exchange.barrier()
         if self.rank != 0:

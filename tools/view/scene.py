@@ -116,9 +116,13 @@ def open_store(path: str) -> Store:
 
 
 def load_blocks(store: Store, path: str, ranks: int, train_cameras: list[Camera]) -> BlockScene:
-    """The blocks of the store's current commit; owners as `Trainer` partitions them (balanced
-    over the training cameras, by Gaussian count without them)."""
-    ownership = Ownership.balanced(store.table, ranks, train_cameras)
+    """The blocks of the store's current commit; owners as `Trainer` partitions them: the regions
+    its trainer saved in the commit when it ran on `ranks` ranks, else balanced over the training
+    cameras (by Gaussian count without them)."""
+    try:
+        ownership = Ownership.current(store.state, store.table, ranks, train_cameras)
+    except ValueError as e:
+        raise ViewError(f"store {path}: {e}") from e
     steps = _commit_steps(store, Path(path))
     keys = sorted(store.table, key=lambda k: parse_key(k).morton_rank())
     rows = [BlockRow(store.table[k], ownership.owner(k), _disk_bytes(Path(path), store.table[k]),
