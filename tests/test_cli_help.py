@@ -26,6 +26,7 @@ COMMANDS = [
     ("tools.bench.densify", []),
     ("tools.bench.view", []),
     ("tools.bench.occlusion", []),
+    ("tools.bench.opensplat", []),
 ]
 
 
