@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from itertools import pairwise
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
