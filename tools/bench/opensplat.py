@@ -43,15 +43,16 @@ from scipy.spatial import cKDTree
 
 from tools.bench import data_dir
 from tools.bench.train import REPO, BenchError, fresh_copy, python_module, scratch, store_size, tile
+from tools.scenes.files import write_points
 from train.cli import HelpFormatter
 from train.data.colmap_scene import read_colmap_scene
+from train.data.transforms import OPENGL_TO_OPENCV
 from train.data.views import RawScene
 
 WIDTH, HEIGHT = 270, 480
 SIZES = (10_000, 50_000, 200_000, 1_000_000)
 FIRST = 10  # the window starts at this step's line: start-up and the first steps are left out
 OPENSPLAT_FLAGS = ("--cpu", "--densify-from", "100000", "--densify-until", "15000", "--refine-every", "100000")
-OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flips the camera's y and z axes (its own inverse)
 STEP_LINE = re.compile(r"^Step (\d+):")
 POINTS_LINE = re.compile(r"^Reading (\d+) points")
 MAX_PER_BLOCK = 65_536  # the tiler's default
@@ -107,21 +108,6 @@ def cloud(points: np.ndarray, colors: np.ndarray, size: int, seed: int) -> tuple
             np.concatenate([colors, colors[src]]).astype(np.uint8))
 
 
-def write_ply(path: Path, xyz: np.ndarray, rgb: np.ndarray) -> None:
-    """Binary PLY in the one layout both readers take: float x y z, then uchar red green blue."""
-    rows = np.empty(len(xyz), dtype=[("x", "<f4"), ("y", "<f4"), ("z", "<f4"),
-                                     ("red", "u1"), ("green", "u1"), ("blue", "u1")])
-    for i, axis in enumerate("xyz"):
-        rows[axis] = xyz[:, i]
-    for i, channel in enumerate(("red", "green", "blue")):
-        rows[channel] = rgb[:, i]
-    header = ("ply\nformat binary_little_endian 1.0\n"
-              f"element vertex {len(xyz)}\n"
-              "property float x\nproperty float y\nproperty float z\n"
-              "property uchar red\nproperty uchar green\nproperty uchar blue\nend_header\n")
-    path.write_bytes(header.encode("ascii") + rows.tobytes())
-
-
 def make_dataset(source: Path, work: Path, size: int, seed: int = 0) -> Path:
     """WORK/lund_door-WxH-N: transforms.json, points.ply and a link to the shared resized photos
     (made once per work folder)."""
@@ -134,7 +120,7 @@ def make_dataset(source: Path, work: Path, size: int, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "images").exists():
         os.symlink(images.resolve(), out / "images")
-    write_ply(out / "points.ply", *cloud(raw.points, raw.colors, size, seed))
+    write_points(out / "points.ply", *cloud(raw.points, raw.colors, size, seed))
     meta = {"camera_model": "OPENCV", "ply_file_path": "points.ply", "frames": frames(raw, WIDTH, HEIGHT)}
     (out / "transforms.json").write_text(json.dumps(meta, indent=1))  # last: it marks the folder complete
     return out

@@ -15,11 +15,11 @@ from PIL import Image
 
 from tools.scenes.config import SceneError
 from train.camera import Camera
+from train.data.transforms import OPENGL_TO_OPENCV
 
 GROUND_TRUTH = "ground_truth.npz"  # the wall's and the object's ground truth
 SCENE_JSON = "scene.json"  # the city's: what was made, and where its ground-truth store is
 POINTS = "points3d.ply"
-OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flips the camera's y and z axes; its own inverse
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member timestamps, so the same scene gives the same npz bytes
 POINT_DTYPE = np.dtype([(c, "<f4") for c in "xyz"] + [(c, "u1") for c in ("red", "green", "blue")])
 

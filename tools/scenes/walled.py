@@ -22,6 +22,7 @@ from octree.semantics import SH_C0
 from tools.ply import write_ply
 from tools.tile.__main__ import main as tile_main
 from train.camera import Camera
+from train.data.transforms import OPENGL_TO_OPENCV
 from train.render import render
 
 WIDTH, HEIGHT, FOV_X = 64, 48, 60.0
@@ -31,7 +32,6 @@ GAP = (0.3, 1.5, 1.3, 2.5)  # x0, z0, x1, z1 of the hole in the wall
 # cameras (x in [-1, 1], y = -6, z = 2) meet y = 3 within x in [-0.05, 2.45], z in [1.25, 2.75].
 HIDDEN = ((-4.0, 2.5, 1.5, -3.0, 3.5, 2.5), (4.0, 2.5, 1.5, 5.0, 3.5, 2.5))
 SEEN = (0.9, 2.8, 1.7, 1.5, 3.2, 2.3)
-_OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])
 
 
 @dataclass
@@ -95,7 +95,7 @@ def make_walled(root: Path, max_per_block: int = 300, hidden: int = 300) -> Wall
             pixels = np.round(rgb.clamp(0.0, 1.0).numpy() * 255.0).astype(np.uint8)
             Image.fromarray(pixels, "RGB").save(data / "images" / cam.name)
             frames.append({"file_path": f"images/{cam.name}",
-                           "transform_matrix": (cam.camtoworld @ _OPENGL_TO_OPENCV).tolist()})
+                           "transform_matrix": (cam.camtoworld @ OPENGL_TO_OPENCV).tolist()})
     K = cams[0].K
     (data / "transforms.json").write_text(json.dumps({
         "camera_model": "PINHOLE", "fl_x": K[0, 0], "fl_y": K[1, 1], "cx": K[0, 2], "cy": K[1, 2],

@@ -25,7 +25,7 @@ _INTRINSIC_KEYS = ("fl_x", "fl_y", "cx", "cy", "w", "h", "camera_angle_x", "came
                    "k1", "k2", "k3", "p1", "p2")
 _PINHOLE_MODELS = ("OPENCV", "PINHOLE", "SIMPLE_PINHOLE")
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".PNG", ".JPG", ".JPEG")
-_OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flip the camera's y and z axes
+OPENGL_TO_OPENCV = np.diag([1.0, -1.0, -1.0, 1.0])  # flips the camera's y and z axes; its own inverse
 _NGP_SCALE = 0.33  # instant-ngp's default world-to-unit-cube scale
 _FLOAT_MAX = sys.float_info.max
 
@@ -77,7 +77,7 @@ def _pose(file: Path, where: str, frame: dict) -> np.ndarray:  # -> [4, 4] world
     R = c2w[:3, :3]
     if np.abs(R.T @ R - np.eye(3)).max() > 1e-3 or np.linalg.det(R) < 0:
         raise TransformsError(file, "transform_matrix's rotation is not a rotation (scaled, sheared or mirrored)", where)
-    return np.linalg.inv(c2w @ _OPENGL_TO_OPENCV)
+    return np.linalg.inv(c2w @ OPENGL_TO_OPENCV)
 
 
 def _intrinsics(file: Path, where: str, meta: dict, frame: dict, image: Path) -> Intrinsics:
