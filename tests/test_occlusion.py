@@ -195,7 +195,7 @@ def test_culling_keeps_the_image_gradients_and_contributions(walled):
 def _walled_config(data: Path, store: Path, out: Path, **kw) -> TrainConfig:
     base = {"data": str(data), "store": str(store), "out": str(out), "steps": 6, "batch_size": 2, "commit_every": 100,
             "log_every": 1, "progress": False, "deterministic": True, "test_every": 100,
-            "densify": DensifyConfig(strategy="none")}
+            "densify": DensifyConfig(strategy="none"), "adam": "contributed"}
     base.update(kw)
     return TrainConfig(**base)
 
@@ -278,7 +278,7 @@ def test_lund_door_with_culling_equals_without(shared_data, lund_store, tmp_path
     for mode, store in stores.items():
         cfg = TrainConfig(data=str(lund), store=str(store), out=str(tmp_path / mode), steps=4, data_factor=8,
                           commit_every=100, log_every=1, progress=False, deterministic=True, occlusion=mode,
-                          max_eval_images=1, densify=DensifyConfig(strategy="none"))
+                          adam="contributed", max_eval_images=1, densify=DensifyConfig(strategy="none"))
         run(cfg)
     off, on = _arrays(stores["off"]), _arrays(stores["on"])
     _assert_same_but_statistics(off, on, set())
@@ -291,7 +291,7 @@ def test_occlusion_refuses_what_it_would_change(tmp_path):
     with pytest.raises(ConfigError, match="--occlusion 'yes'"):
         TrainConfig(data="d", store="s", occlusion="yes")
     proc = subprocess.run([sys.executable, "-m", "train", "--data", str(tmp_path), "--store", str(tmp_path / "s"),
-                           "--occlusion", "on", "--strategy", "mcmc"], capture_output=True, text=True, cwd=REPO,
+                           "--occlusion", "on", "--adam", "contributed", "--strategy", "mcmc"], capture_output=True, text=True, cwd=REPO,
                           timeout=120, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --occlusion on with --strategy mcmc")
@@ -305,7 +305,7 @@ def test_occlusion_under_mpi_is_a_clear_error(walled, tmp_path):
     before = {k: v.version for k, v in Store.open(store, mode="r").table.items()}
     proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "train", "--data", str(walled.data), "--store",
                            str(store), "--out", str(tmp_path / "out"), "--steps", "2", "--occlusion", "on",
-                           "--strategy", "none", "--no-progress"], capture_output=True, text=True, cwd=REPO,
+                           "--adam", "contributed", "--strategy", "none", "--no-progress"], capture_output=True, text=True, cwd=REPO,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "error: --occlusion on runs on one rank for now, not 2" in proc.stderr

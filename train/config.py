@@ -81,7 +81,7 @@ class TrainConfig:
     progress: bool = True  # show a progress bar on rank 0
     tensorboard: bool = False  # also write TensorBoard events (losses, PSNR, counts, cache and exchange figures, held-out renders) under OUT/tensorboard; needs the tensorboard package
     allow_external_images: bool = False  # follow image paths that lead out of the dataset (transforms.json file_path, COLMAP image names): absolute, or climbing out with '..'
-    adam: str = "contributed"  # which Gaussians Adam steps: contributed (those that reached a pixel, bias-corrected by their own step count; hidden ones stay untouched), visible (every one a camera of the step projected, bias-corrected by the training step: gsplat's visible_adam), dense (every one, every step, as torch's Adam in gsplat's default; the steps of unseen ones are taken when they are next used)
+    adam: str = "visible"  # which Gaussians Adam steps: visible (every one a camera of the step projected, bias-corrected by the training step: gsplat's visible_adam), contributed (those that reached a pixel, bias-corrected by their own step count; hidden ones stay untouched: what --occlusion on needs), dense (every one, every step, as torch's Adam in gsplat's default; the steps of unseen ones are taken when they are next used)
     occlusion: str = "off"  # exact occlusion culling (one rank): on drops, per camera, the blocks wholly behind what its nearest blocks already saturate, so they are not paged, projected or rasterized; the image and every gradient are the same, but the densification statistics no longer count the dropped Gaussians for that camera (needs --adam contributed, and refuses --strategy mcmc: the others would step them)
     optim: OptimConfig = field(default_factory=OptimConfig)
     densify: DensifyConfig = field(default_factory=DensifyConfig)
@@ -110,7 +110,7 @@ class TrainConfig:
         if self.occlusion == "on" and self.adam != "contributed":
             raise ConfigError(f"--occlusion on with --adam {self.adam}: {self.adam} Adam steps Gaussians that did "
                               "not reach a pixel, so hidden blocks would change while culling decides on their "
-                              "old extents; use --adam contributed, or --occlusion off")
+                              "old extents; add --adam contributed, or use --occlusion off")
         if self.occlusion == "on" and self.densify.strategy == "mcmc":
             raise ConfigError("--occlusion on with --strategy mcmc: MCMC adds noise to every mean a step projects, "
                               "hidden ones included, which occlusion culling skips; use --strategy default or none, "

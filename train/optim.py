@@ -1,10 +1,11 @@
 """Sparse, per-row Adam over block tensors, in three modes (`--adam`, `ADAM_MODES`).
 
-- contributed (default): a row's moments and step count change only on the steps its Gaussian
+- contributed: a row's moments and step count change only on the steps its Gaussian
   reached a pixel; bias correction by the row's own count, so a block that sat on disk for a
-  thousand steps resumes exactly where it stopped, and a hidden Gaussian is never touched.
-- visible: gsplat's `visible_adam` (SelectiveAdam): the rows a camera projected, bias-corrected by
-  the training step.
+  thousand steps resumes exactly where it stopped, and a hidden Gaussian is never touched (what
+  exact occlusion culling needs).
+- visible (the trainer's default): gsplat's `visible_adam` (SelectiveAdam): the rows a camera
+  projected, bias-corrected by the training step.
 - dense: torch's Adam over every Gaussian every step, as gsplat's default, without touching every
   block every step. A step of a row with a zero gradient only decays its moments and moves it by
   them, which needs nothing but the row itself and the step's learning rate; so those steps are

@@ -15,10 +15,12 @@ reference-visible: the same with simple_trainer's `--visible_adam` (gsplat's Sel
     changes only the rows the camera projected), the optimizer closest to the trainer's sparse
     Adam (which changes only rows that reached a pixel); it tells how much of a gap to the
     reference is the optimizer rather than densification.
-ours: `python -m train --strategy default` with the same refine schedule (`Refine`): what blocks,
-    out-of-core paging and sparse Adam do to densification.
-ours-visible: the same with `--adam visible` (Adam steps every Gaussian a camera projected,
-    bias-corrected by the training step: gsplat's SelectiveAdam, as reference-visible).
+ours: `python -m train --strategy default` with the same refine schedule (`Refine`) and the
+    trainer's default `--adam visible` (Adam steps every Gaussian a camera projected,
+    bias-corrected by the training step: gsplat's SelectiveAdam, as reference-visible): what
+    blocks and out-of-core paging do to densification.
+ours-contributed: the same with `--adam contributed` (Adam steps only the Gaussians that reached a
+    pixel, each bias-corrected by its own step count: what `--occlusion on` needs).
 ours-dense: the same with `--adam dense` (every Gaussian every step, as torch's Adam in the
     reference; the steps of Gaussians no camera used are taken when they are next used).
 ours-none: `python -m train --strategy none`, the same store without densification: what
@@ -65,9 +67,9 @@ from train.schedule import Schedule
 from train.trainer import load_cameras, look_features
 
 SECTIONS = ("lund_door", "vesta", "nopoints", "mcmc", "ranks")
-RUNS = ("reference", "reference-visible", "ours", "ours-visible", "ours-dense", "ours-none", "mcmc")
+RUNS = ("reference", "reference-visible", "ours", "ours-contributed", "ours-dense", "ours-none", "mcmc")
 LABELS = {"reference": "ref: gsplat", "reference-visible": "ref: visible", "ours": "ours+densify",
-          "ours-visible": "ours+visible", "ours-dense": "ours+dense", "ours-none": "ours-none"}
+          "ours-contributed": "ours+contributed", "ours-dense": "ours+dense", "ours-none": "ours-none"}
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,7 @@ def compare(spec: SceneSpec, cfg: BenchConfig, results: dict[str, Result]) -> No
     for r in runs:
         print(f"  {LABELS[r]}: {results[r].note}")
     ref, none = results.get("reference"), results.get("ours-none")
-    for name in ("ours", "ours-visible", "ours-dense"):
+    for name in ("ours", "ours-contributed", "ours-dense"):
         ok = results.get(name)
         if ok is None:
             continue
@@ -436,7 +438,7 @@ def main(argv: list[str]) -> int:
                     if "ours" in run_cfg.runs:
                         results["ours"] = ours(spec, run_cfg, "ours",
                                                ["--strategy", "default", *run_cfg.refine.flags()])
-                    for mode in ("visible", "dense"):
+                    for mode in ("contributed", "dense"):
                         if f"ours-{mode}" in run_cfg.runs:
                             results[f"ours-{mode}"] = ours(spec, run_cfg, mode, ["--strategy", "default", "--adam",
                                                                                  mode, *run_cfg.refine.flags()])

@@ -126,7 +126,7 @@ def _same_but_statistics(a: Path, b: Path) -> bool:
 def bench_scene(work: Path, name: str, cfg: BenchConfig) -> None:
     data, store, options = _scene(work, name, cfg)
     size = store_size(store)
-    options = [*options, "--strategy", "none", "--max-eval-images", "1", "--commit-every", str(cfg.steps)]
+    options = [*options, "--strategy", "none", "--adam", "contributed", "--max-eval-images", "1", "--commit-every", str(cfg.steps)]
     runs: dict[str, list[TrainRun]] = {"off": [], "on": []}
     for i in range(cfg.repeats):
         for mode, done in runs.items():
