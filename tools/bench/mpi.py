@@ -48,6 +48,7 @@ from octree import build_octree, extent_boxes, partition
 from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, ratio, run_means,
                                scratch, store_size, tile, train, warm_images)
 from tools.scenes import CityConfig, CityError, generate_city, make_wall
+from tools.tile import TileConfig
 from train.camera import Camera
 from train.cli import HelpFormatter
 from train.layout import assign_step, block_ranks, ownership_weights, rank_affinity, visible_mask
@@ -233,7 +234,8 @@ def _volume_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=8, help="ranks the city is split over")
     p.add_argument("--per-rank", type=int, default=4, help="cameras each rank renders per step")
     p.add_argument("--steps", type=int, default=None, help="default: one pass over the cameras")
-    p.add_argument("--max-per-block", type=int, default=65536, help="octree leaf capacity (the tiler's default)")
+    p.add_argument("--max-per-block", type=int, default=TileConfig.max_per_block,
+                   help="octree leaf capacity (the tiler's default)")
 
 
 def _print_layout(layout: Layout) -> None:

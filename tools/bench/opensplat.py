@@ -44,6 +44,7 @@ from scipy.spatial import cKDTree
 from tools.bench import data_dir
 from tools.bench.train import REPO, BenchError, fresh_copy, python_module, scratch, store_size, tile
 from tools.scenes.files import write_points
+from tools.tile import TileConfig
 from train.cli import HelpFormatter
 from train.data.colmap_scene import read_colmap_scene
 from train.data.transforms import OPENGL_TO_OPENCV
@@ -55,7 +56,6 @@ FIRST = 10  # the window starts at this step's line: start-up and the first step
 OPENSPLAT_FLAGS = ("--cpu", "--densify-from", "100000", "--densify-until", "15000", "--refine-every", "100000")
 STEP_LINE = re.compile(r"^Step (\d+):")
 POINTS_LINE = re.compile(r"^Reading (\d+) points")
-MAX_PER_BLOCK = 65_536  # the tiler's default
 POLL = 0.002  # seconds between looks at the trainer's metrics file
 HOW_TO_BUILD = ("OpenSplat is needed: pass --opensplat PATH/TO/opensplat, an executable built from "
                 "github.com/WebODM/OpenSplat with -DGPU_RUNTIME=CPU (the exact steps: docs/benchmarks.md, "
@@ -364,7 +364,7 @@ def main(argv: list[str]) -> int:
         for size in a.sizes:
             try:
                 data = make_dataset(a.data / "lund_door", work, size, a.seed)
-                store = tile(data, work / f"{data.name}.zarr", MAX_PER_BLOCK)
+                store = tile(data, work / f"{data.name}.zarr", TileConfig.max_per_block)
             except BenchError as e:
                 print(f"error: {size:,}: {e}", file=sys.stderr)
                 failed = True

@@ -15,6 +15,7 @@ from tools.plan.city import PlanError, sampled_city
 from tools.plan.core import plan_run
 from tools.plan.report import plan_document, print_plan
 from tools.scenes import CityConfig, CityError
+from tools.tile import TileConfig
 from train.cli import HelpFormatter
 from train.schedule import Schedule
 from train.trainer import look_features, scene_scale
@@ -37,7 +38,7 @@ class PlanConfig:
     fov: float = 75.0  # horizontal field of view, degrees
     cache_gb: float | None = None  # each rank's block cache; None: only report what it needs
     sh_degree: int = 3
-    max_per_block: int = 65536  # octree leaf capacity (the tiler's default)
+    max_per_block: int = TileConfig.max_per_block  # octree leaf capacity
     network_gbps: float = 100.0  # each rank's link
     steps: int = 4  # steps of the trainer's schedule to plan
     locality_window: int = 100  # the trainer's --locality-window
