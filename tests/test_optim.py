@@ -39,6 +39,34 @@ def test_rows_stepped_every_time_match_torch_adam(compiled):
     assert block["adam_step"].tolist() == [5] * 7
 
 
+def test_compiled_adam_gives_the_same_bits_on_one_core_or_two_and_serial_or_split():
+    """A large block's rows are split over the cores, a small one's are not; a row's result must
+    not depend on either."""
+    import numba
+
+    cfg, n = AdamConfig(), 5000
+    lrs = learning_rates(cfg, 0, 100, scene_scale=2.0)
+    g = torch.Generator().manual_seed(3)
+    grads = [{k: torch.randn(_block(n)[k].shape, generator=g) for k in PARAM_NAMES} for _ in range(3)]
+    mask = torch.rand(n, generator=g) < 0.5
+    results, threads = [], numba.get_num_threads()
+    try:
+        for t, parallel_rows in ((1, 10**9), (1, 0), (min(2, numba.config.NUMBA_NUM_THREADS), 0)):
+            numba.set_num_threads(t)
+            block = _block(n)
+            for step_grads in grads:
+                optimizer = SparseAdam(step_grads, mask, lrs, cfg)
+                optimizer.parallel_rows = parallel_rows
+                assert optimizer.step(block, 0, numpy_arrays(block)) == int(mask.sum())
+            results.append(block)
+    finally:
+        numba.set_num_threads(threads)
+    for other in results[1:]:
+        for k in results[0]:
+            assert torch.equal(results[0][k], other[k]), k
+    assert not torch.equal(results[0]["means"], _block(n)["means"])
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_rows_not_stepped_are_untouched_and_keep_their_own_bias_correction(compiled):
     cfg = AdamConfig()

@@ -115,6 +115,22 @@ def test_batch_projection_matches_a_projection_per_camera(shared_data):
         batch.backward({2: torch.zeros(3, GRAD_FLOATS)})
 
 
+def test_kept_splats_as_leaves_are_the_wire_round_trip(scene):
+    """A rank keeps its own splats as leaves without packing them (`as_leaves`); rasterized, they
+    give the same image and the same gradients to send back, bit for bit, as `unpack(pack())`."""
+    splats, cam = scene
+    s = project_batch(fresh(splats), [(0, cam, None)], 3).splats[0]
+    wire, kept = Splats2D.unpack(s.pack(), ids=s.ids), s.as_leaves()
+    outs = []
+    for leaves in (wire, kept):
+        out = rasterize(leaves, cam)
+        image_loss(out.rgb, out.alpha).backward()
+        outs.append((out.rgb.detach(), pack_grads(leaves)))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[1][1].abs().sum() > 0 and torch.equal(kept.ids, s.ids) and torch.equal(kept.radii, s.radii)
+    assert all(t.is_leaf and t.requires_grad for t in kept.differentiable())
+
+
 def test_wire_format_round_trip(scene):
     splats, cam = scene
     s = project(splats, cam, 3)

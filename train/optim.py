@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 import torch
+from numba import prange
 from torch import Tensor
 
 from storage.schema import PARAM_NAMES
@@ -69,29 +70,60 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
 # an element; with reciprocals and fused multiply-adds allowed it costs ~4.
 @numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
-def _adam_rows_cpu(p, g, m, v, rows, step, lo, lr, b1, b2, eps):
+def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps):
     """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
-    rows at lo..lo+N; rows, step [R] the block rows to update and their new step counts."""
+    rows at lo..lo+N; rows [R] the block rows to update, bc1 [R] float64 and inv_bc2_sqrt [R]
+    float32 their bias corrections (`_bias_corrections`)."""
     b1f, b2f, c1, c2 = np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2)
     epsf = np.float32(eps)
     for i in range(rows.shape[0]):
         r = rows[i]
-        step_size = np.float32(lr / (1.0 - b1 ** step[i]))
-        inv_bc2_sqrt = np.float32(1.0 / math.sqrt(1.0 - b2 ** step[i]))
+        step_size = np.float32(lr / bc1[i])
+        inv = inv_bc2_sqrt[i]
         for j in range(p.shape[1]):
             gj = g[lo + r, j]
             mj = b1f * m[r, j] + c1 * gj
             vj = b2f * v[r, j] + c2 * gj * gj
             m[r, j] = mj
             v[r, j] = vj
-            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv_bc2_sqrt + epsf)
+            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv + epsf)
 
 
 @numba.njit(cache=True, nogil=True)
-def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, global_step):  # -> rows stepped
+def _bias_corrections(step, b1, b2):  # -> 1 - b1^step (float64), 1 / sqrt(1 - b2^step) (float32)
+    """Once per row, not per parameter: the two powers cost more than a parameter's arithmetic."""
+    bc1, inv = np.empty(step.size, np.float64), np.empty(step.size, np.float32)
+    for i in range(step.size):
+        if i > 0 and step[i] == step[i - 1]:  # one step for every row (visible, dense): one pair of powers
+            bc1[i], inv[i] = bc1[i - 1], inv[i - 1]
+        else:
+            bc1[i] = 1.0 - b1 ** step[i]
+            inv[i] = np.float32(1.0 / math.sqrt(1.0 - b2 ** step[i]))
+    return bc1, inv
+
+
+# Rows a block must step before they are split over the cores: starting the threads costs
+# ~0.1 ms a parameter, more than a few thousand rows take on one core.
+PARALLEL_ROWS = 8192
+_CHUNKS = 16  # pieces of the rows handed to the threads (rows differ in nothing but position)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adam_rows_parallel(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps):
+    """`_adam_rows_cpu` on pieces of `rows` at once: each row still takes the very same compiled
+    arithmetic, so its result does not depend on which thread ran it or on how many there are."""
+    r = rows.shape[0]
+    for c in prange(_CHUNKS):
+        a, b = r * c // _CHUNKS, r * (c + 1) // _CHUNKS
+        _adam_rows_cpu(p, g, m, v, rows[a:b], bc1[a:b], inv_bc2_sqrt[a:b], lo, lr, b1, b2, eps)
+
+
+@numba.njit(cache=True, nogil=True)
+def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, global_step, parallel_rows):  # -> rows stepped
     """ps, ms, vs: tuples of a block's [N, D_k] float32 arrays; gs: the batch's [M, D_k]; lrs [K];
     adam_step [N] int32, advanced on the rows whose mask[lo + row] is set; bias correction by
-    each row's count, or by global_step where it is positive."""
+    each row's count, or by global_step where it is positive; split over the cores from
+    parallel_rows rows."""
     n = adam_step.shape[0]
     rows, step = np.empty(n, np.int64), np.empty(n, np.int32)
     k = 0
@@ -100,8 +132,12 @@ def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, globa
             adam_step[r] += 1
             rows[k], step[k] = r, (adam_step[r] if global_step <= 0 else global_step)
             k += 1
+    bc1, inv = _bias_corrections(step[:k], b1, b2)
     for j in range(len(ps)):
-        _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], step[:k], lo, lrs[j], b1, b2, eps)
+        if k >= parallel_rows:
+            _adam_rows_parallel(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps)
+        else:
+            _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps)
     return k
 
 
@@ -248,6 +284,7 @@ class SparseAdam:
     ) -> None:
         self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
         self.global_step = global_step
+        self.parallel_rows = PARALLEL_ROWS  # rows of a block from which its step is split over the cores
         self._compiled = None
         if mask.device.type == "cpu" and all(grads[x].device.type == "cpu" for x in PARAM_NAMES):
             # (explicit widths: a rank that sees nothing this step has an empty batch)
@@ -270,7 +307,7 @@ class SparseAdam:
             g, m, lr = self._compiled
             p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
             return int(_adam_block_cpu(p, g, ms, vs, lr, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps,
-                                       self.global_step))
+                                       self.global_step, self.parallel_rows))
         rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
         if rows.numel() == 0:
             return 0

@@ -93,7 +93,10 @@ def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad:
         offsets.append(offsets[-1] + int(blocks[k]["means"].shape[0]))
     params = {}
     for name in PARAM_NAMES:
-        t = torch.cat([blocks[k][name] for k in keys]) if keys else torch.zeros(0)
+        # One block is its own batch: the leaf shares its memory (Adam writes the block only
+        # after the backward is done with the leaf); several are copied into one.
+        parts = [blocks[k][name] for k in keys]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
         params[name] = t.detach().requires_grad_(requires_grad)
     return Gathered(keys, offsets, params)
 
@@ -136,8 +139,11 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
     in numpy calls, which added up to a fifth of a step with small blocks)."""
     if not blocks:
         return {}
-    means = torch.cat([t["means"].detach() for t in blocks.values()]).cpu().numpy()
-    scales = torch.cat([t["scales"].detach() for t in blocks.values()]).cpu().numpy()
+    def batch(name: str) -> np.ndarray:
+        parts = [t[name].detach() for t in blocks.values()]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
+
+    means, scales = batch("means"), batch("scales")
     starts = np.cumsum([0] + [len(t["means"]) for t in blocks.values()])[:-1]
     boxes = extent_boxes(means, scales, starts)
     return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}
@@ -227,7 +233,7 @@ def route_splats(projected: Projected, cam_rank: list[int], exchange: Exchange, 
     # Own splats cross the same boundary as received ones (leaves whose gradients are handed
     # back), so each owner backpropagates its projections in camera order, whoever rendered
     # them: gradient sums, hence parameters, come out the same for any number of ranks.
-    kept = {i: Splats2D.unpack(s.pack(), ids=s.ids) for i, s in projected.owned.items() if cam_rank[i] == rank}
+    kept = {i: s.as_leaves() for i, s in projected.owned.items() if cam_rank[i] == rank}
     return Routed(incoming, kept)
 
 

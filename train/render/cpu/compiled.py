@@ -24,7 +24,8 @@ def _dispatchers() -> list:
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
-            projection._project, projection._colors, projection._project_vjp, optim._adam_rows_cpu, optim._adam_block_cpu,
+            projection._project, projection._colors, projection._project_vjp, projection._compact,
+            optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
             ssim._ssim_forward, ssim._ssim_backward, stats._accumulate]
 
 

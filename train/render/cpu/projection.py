@@ -228,6 +228,29 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases, v,
         g_means[g, 2] += v_mean[2] + (vn_z - n[2] * ndot) / dist
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _compact(keep, rows, means2d, conics, depths, opacities, radii):
+    """The kept entries of `_project`'s outputs, in order, and their rows (numpy's boolean
+    indexing of the seven arrays ran on one core and cost a third of the projection)."""
+    n = keep.size
+    at = np.empty(n, np.int64)
+    m = 0
+    for j in range(n):
+        at[j] = m
+        m += keep[j]
+    out = (np.empty((m, 2), np.float32), np.empty((m, 3), np.float32), np.empty(m, np.float32),
+           np.empty(m, np.float32), np.empty((m, 2), np.int32), np.empty(m, np.int64))
+    for j in prange(n):
+        if keep[j]:
+            i = at[j]
+            out[0][i, 0], out[0][i, 1] = means2d[j, 0], means2d[j, 1]
+            out[1][i, 0], out[1][i, 1], out[1][i, 2] = conics[j, 0], conics[j, 1], conics[j, 2]
+            out[2][i], out[3][i] = depths[j], opacities[j]
+            out[4][i, 0], out[4][i, 1] = radii[j, 0], radii[j, 1]
+            out[5][i] = rows[j]
+    return out
+
+
 def _array(t: Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
@@ -245,10 +268,10 @@ def _project_rows(arrays: list[np.ndarray], cam: np.ndarray, width: int, height:
     radii, keep = np.empty((n, 2), np.int32), np.empty(n, np.bool_)
     _project(arrays[0], arrays[1], arrays[2], arrays[3], cam, width, height, rows,
              means2d, conics, depths, opacities, radii, keep)
-    ids = rows[keep]
+    means2d, conics, depths, opacities, radii, ids = _compact(keep, rows, means2d, conics, depths, opacities, radii)
     colors = np.empty((len(ids), 3), np.float32)
     _colors(arrays[0], arrays[4], arrays[5], ids, cam, n_bases, colors)
-    return means2d[keep], conics[keep], opacities[keep], colors, depths[keep], radii[keep], ids
+    return means2d, conics, opacities, colors, depths, radii, ids
 
 
 class _Project(torch.autograd.Function):
