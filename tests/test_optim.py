@@ -47,7 +47,8 @@ def test_compiled_adam_gives_the_same_bits_on_one_core_or_two_and_serial_or_spli
     cfg, n = AdamConfig(), 5000
     lrs = learning_rates(cfg, 0, 100, scene_scale=2.0)
     g = torch.Generator().manual_seed(3)
-    grads = [{k: torch.randn(_block(n)[k].shape, generator=g) for k in PARAM_NAMES} for _ in range(3)]
+    shapes = {k: t.shape for k, t in _block(n).items()}
+    grads = [{k: torch.randn(shapes[k], generator=g) for k in PARAM_NAMES} for _ in range(3)]
     mask = torch.rand(n, generator=g) < 0.5
     results, threads = [], numba.get_num_threads()
     try:
@@ -55,8 +56,7 @@ def test_compiled_adam_gives_the_same_bits_on_one_core_or_two_and_serial_or_spli
             numba.set_num_threads(t)
             block = _block(n)
             for step_grads in grads:
-                optimizer = SparseAdam(step_grads, mask, lrs, cfg)
-                optimizer.parallel_rows = parallel_rows
+                optimizer = SparseAdam(step_grads, mask, lrs, cfg, parallel_rows=parallel_rows)
                 assert optimizer.step(block, 0, numpy_arrays(block)) == int(mask.sum())
             results.append(block)
     finally:

@@ -281,10 +281,10 @@ class SparseAdam:
         lrs: dict[str, float],
         cfg: AdamConfig,
         global_step: int = 0,  # > 0: bias correction by this step (torch's, gsplat's SelectiveAdam), not each row's count
+        parallel_rows: int = PARALLEL_ROWS,  # rows of a block from which its step is split over the cores
     ) -> None:
         self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
-        self.global_step = global_step
-        self.parallel_rows = PARALLEL_ROWS  # rows of a block from which its step is split over the cores
+        self.global_step, self.parallel_rows = global_step, parallel_rows
         self._compiled = None
         if mask.device.type == "cpu" and all(grads[x].device.type == "cpu" for x in PARAM_NAMES):
             # (explicit widths: a rank that sees nothing this step has an empty batch)

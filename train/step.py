@@ -87,16 +87,20 @@ class Gathered:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _joined(parts: list[Tensor]) -> Tensor:
+    """The blocks' rows as one tensor: a single block is used as it is, sharing its memory (no
+    copy of every row each step), several are copied into one."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool) -> Gathered:
     offsets = [0]
     for k in keys:
         offsets.append(offsets[-1] + int(blocks[k]["means"].shape[0]))
     params = {}
     for name in PARAM_NAMES:
-        # One block is its own batch: the leaf shares its memory (Adam writes the block only
-        # after the backward is done with the leaf); several are copied into one.
-        parts = [blocks[k][name] for k in keys]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
+        # A leaf sharing a block's memory is safe: Adam writes the block only after the backward.
+        t = _joined([blocks[k][name] for k in keys]) if keys else torch.zeros(0)
         params[name] = t.detach().requires_grad_(requires_grad)
     return Gathered(keys, offsets, params)
 
@@ -139,11 +143,7 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
     in numpy calls, which added up to a fifth of a step with small blocks)."""
     if not blocks:
         return {}
-    def batch(name: str) -> np.ndarray:
-        parts = [t[name].detach() for t in blocks.values()]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).cpu().numpy()
-
-    means, scales = batch("means"), batch("scales")
+    means, scales = (_joined([t[name].detach() for t in blocks.values()]).cpu().numpy() for name in ("means", "scales"))
     starts = np.cumsum([0] + [len(t["means"]) for t in blocks.values()])[:-1]
     boxes = extent_boxes(means, scales, starts)
     return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}

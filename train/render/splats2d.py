@@ -81,8 +81,7 @@ class Splats2D:
         `unpack(pack())` gives, without the copies, for splats that stay on their rank."""
         means2d, conics, opacities, colors = (t.detach().contiguous().requires_grad_(True)
                                               for t in self.differentiable())
-        return Splats2D(means2d, conics, self.depths.detach().contiguous(), opacities, colors,
-                        self.radii.to(torch.int32), self.ids.to(torch.int64))
+        return Splats2D(means2d, conics, self.depths.detach().contiguous(), opacities, colors, self.radii, self.ids)
 
     def pack(self) -> Tensor:  # [M, 12] float32, detached
         """The forward wire format (ids stay with the sender, who pairs the returned gradients by row)."""
