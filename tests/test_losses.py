@@ -1,5 +1,6 @@
-"""The training loss's fused SSIM against pytorch_msssim (the library evaluation uses), and the
-cheap finiteness check the renderer and trainer use on every step."""
+"""The training loss's fused SSIM against pytorch_msssim (the library evaluation uses), the MCMC
+regularisers against gsplat simple_trainer's expression, and the cheap finiteness check the
+renderer and trainer use on every step."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 from PIL import Image
 from pytorch_msssim import ssim as msssim
 
-from train.losses import photometric_loss
+from train.losses import Regularizers, photometric_loss
 from train.render.errors import all_finite
 from train.ssim import fused_ssim_applies, ssim_cpu
 
@@ -120,3 +121,45 @@ def test_all_finite_finds_nan_and_inf_and_tolerates_overflowing_sums():
     assert all_finite(big)
     big[3] = float("nan")
     assert not all_finite(big)
+
+
+def _simple_trainer_reg_grads(opacities, scales, opacity_reg, scale_reg):
+    """gsplat simple_trainer's terms over the whole scene, differentiated by autograd."""
+    o, s = opacities.clone().requires_grad_(True), scales.clone().requires_grad_(True)
+    loss = opacity_reg * torch.abs(torch.sigmoid(o)).mean() + scale_reg * torch.abs(torch.exp(s)).mean()
+    loss.backward()
+    return o.grad, s.grad
+
+
+@pytest.mark.parametrize("opacity_reg,scale_reg", [(0.01, 0.01), (0.03, 0.0), (0.0, 0.2)])
+def test_regularizer_gradients_are_simple_trainers_on_the_stepped_rows_only(opacity_reg, scale_reg):
+    """A batch of 300 of the scene's 1,000 Gaussians, 200 of them stepped: those get the scene-wide
+    terms' gradient added to what backward left, the others keep theirs untouched."""
+    g = torch.Generator().manual_seed(0)
+    opacities = torch.randn(1000, generator=g) * 3  # logits
+    scales = torch.randn(1000, 3, generator=g) - 4  # log scales
+    ref_o, ref_s = _simple_trainer_reg_grads(opacities, scales, opacity_reg, scale_reg)
+    batch = torch.arange(200, 500)
+    params = {"opacities": opacities[batch].clone().requires_grad_(True),
+              "scales": scales[batch].clone().requires_grad_(True)}
+    # backward's gradients, of the terms' size, so that a wrong term shows above float32 rounding
+    before = {"opacities": torch.randn(300, generator=g) * 1e-6, "scales": torch.randn(300, 3, generator=g) * 1e-6}
+    for name, p in params.items():
+        p.grad = before[name].clone()
+    stepped = torch.zeros(300, dtype=torch.bool)
+    stepped[torch.randperm(300, generator=g)[:200]] = True
+    Regularizers(opacity_reg, scale_reg, total=1000).add_grads(params, stepped)
+    for name, ref in (("opacities", ref_o), ("scales", ref_s)):
+        expected = before[name][stepped] + ref[batch][stepped]
+        torch.testing.assert_close(params[name].grad[stepped], expected, rtol=1e-6, atol=1e-13)
+        assert torch.equal(params[name].grad[~stepped], before[name][~stepped]), name
+    if opacity_reg == 0.0:
+        assert torch.equal(params["opacities"].grad, before["opacities"])
+
+
+def test_regularizers_make_a_gradient_where_backward_left_none():
+    params = {"opacities": torch.zeros(4, requires_grad=True), "scales": torch.zeros(4, 3, requires_grad=True)}
+    Regularizers(0.01, 0.01, total=8).add_grads(params, torch.tensor([True, False, True, False]))
+    assert params["opacities"].grad.tolist() == pytest.approx([0.01 / 8 * 0.25, 0, 0.01 / 8 * 0.25, 0])
+    assert params["scales"].grad[1].tolist() == [0, 0, 0]
+    assert params["scales"].grad[0].tolist() == pytest.approx([0.01 / 24] * 3)

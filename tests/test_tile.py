@@ -62,17 +62,18 @@ def check_blocks(store: Store, cap: int) -> None:
         assert info.count <= cap or parse_key(key).depth == octree["max_depth"]
 
 
-def expected_init(means: np.ndarray, colors: np.ndarray, min_scale: float, sh_degree: int = 3) -> dict:
+def expected_init(means: np.ndarray, colors: np.ndarray, min_scale: float, sh_degree: int = 3,
+                  init_opa: float = 0.1, init_scale: float = 1.0) -> dict:
     """gsplat's initialisation computed with one global k-d tree (over the float32 means, as stored)."""
     p = means.astype(np.float32).astype(np.float64)
     d, _ = cKDTree(p).query(p, k=4)
-    scale = np.log(np.maximum(np.sqrt((d[:, 1:] ** 2).mean(axis=1)), min_scale)).astype(np.float32)
+    scale = np.log(np.maximum(np.sqrt((d[:, 1:] ** 2).mean(axis=1)) * init_scale, min_scale)).astype(np.float32)
     n = len(means)
     return {
         "means": means.astype(np.float32),
         "scales": np.repeat(scale[:, None], 3, axis=1),
         "quats": np.tile(np.float32([1, 0, 0, 0]), (n, 1)),
-        "opacities": np.full(n, np.log(0.1 / 0.9), np.float32),
+        "opacities": np.full(n, np.log(init_opa / (1 - init_opa)), np.float32),
         "sh0": ((colors.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(SH_C0)).reshape(n, 1, 3),
         "shN": np.zeros((n, (sh_degree + 1) ** 2 - 1, 3), np.float32),
     }
@@ -112,6 +113,28 @@ def test_colmap_datasets(shared_data, tmp_path, dataset, expected):
     min_scale = store.attrs["octree"]["root_size"] / 2**MAX_DEPTH
     assert_same_rows(rows, expected_init(scene.points, scene.colors, min_scale))
     check_blocks(store, 4000)
+
+
+def test_gsplats_mcmc_preset_initialisation(shared_data, tmp_path, capsys):
+    """simple_trainer's mcmc preset starts from init_opa 0.5 and init_scale 0.1: the tiler's
+    --init-opacity and --init-scale give exactly its parameters."""
+    from train.data import DataConfig, load_scene
+
+    code, _, err = run_cli(capsys, shared_data / "vesta_colmap_bin", "--out", tmp_path / "s", "--init-opacity", "0.5",
+                           "--init-scale", "0.1")
+    assert code == 0, err
+    scene = load_scene(shared_data / "vesta_colmap_bin", DataConfig(check_images=False))
+    store, rows = read_store(tmp_path / "s")
+    min_scale = store.attrs["octree"]["root_size"] / 2**MAX_DEPTH
+    expected = expected_init(scene.points, scene.colors, min_scale, init_opa=0.5, init_scale=0.1)
+    assert_same_rows(rows, expected)
+    assert not np.array_equal(sorted_rows(rows)["scales"], sorted_rows(expected_init(scene.points, scene.colors, min_scale,
+                                                                                     init_opa=0.5))["scales"])
+    for bad in ("0", "-1", "nan"):
+        code, _, err = run_cli(capsys, shared_data / "vesta_colmap_bin", "--out", tmp_path / f"bad{bad}",
+                               "--init-scale", bad)
+        assert code == 1 and f"--init-scale must be a positive number, got {float(bad)}" in err
+        assert not (tmp_path / f"bad{bad}").exists()
 
 
 def write_point_cloud(path, points: np.ndarray, colors: np.ndarray) -> None:

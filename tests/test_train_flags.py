@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
+import train.step as step_module
 from storage import Store
 from train.__main__ import main as train_main
 from train.config import ConfigError, OptimConfig, parse_config
@@ -68,6 +70,68 @@ def test_ssim_lambda_weighs_the_loss_as_the_formula_says(wall, tmp_path):
     l1, dssim = first["0"], first["1"]
     assert l1 != pytest.approx(dssim, rel=0.05), "the scene must tell the two terms apart"
     assert first["0.3"] == pytest.approx(0.7 * l1 + 0.3 * dssim, rel=1e-5)
+
+
+def test_regularizers_add_simple_trainers_gradient_to_the_rows_adam_steps(wall, tmp_path, monkeypatch):
+    """One step with --opacity-reg and --scale-reg beside one without, from the same store: the
+    gradients Adam gets differ, on the rows it steps, by gsplat simple_trainer's terms over the
+    whole scene (every block of the store, differentiated by autograd), and nowhere else."""
+    data, store = wall
+    seen: dict[str, list] = {"grads": [], "batch": []}
+    real_adam, real_gather = step_module.SparseAdam, step_module.gather
+
+    def adam(grads, mask, *args, **kwargs):
+        seen["grads"].append(({n: g.clone() for n, g in grads.items()}, mask.clone()))
+        return real_adam(grads, mask, *args, **kwargs)
+
+    def gather(blocks, keys, requires_grad):
+        batch = real_gather(blocks, keys, requires_grad)
+        if requires_grad:
+            seen["batch"].append((list(batch.keys), list(batch.offsets)))
+        return batch
+
+    monkeypatch.setattr(step_module, "SparseAdam", adam)
+    monkeypatch.setattr(step_module, "gather", gather)
+    weights = {"opacities": 0.5, "scales": 2.0}
+    for name, flags in (("plain", []), ("reg", ["--opacity-reg", "0.5", "--scale-reg", "2"])):
+        run(parse_config(_flags(data, _copy(store, tmp_path, f"{name}.zarr"), tmp_path / name, "--steps", "1",
+                                *flags)))
+    (plain, stepped), (reg, stepped_reg) = seen["grads"]
+    assert torch.equal(stepped, stepped_reg) and 0 < int(stepped.sum())
+    assert seen["batch"][0] == seen["batch"][1]
+    keys, offsets = seen["batch"][0]
+
+    scene = _blocks(store)  # every Gaussian, not only the step's blocks: the means are the scene's
+    order = sorted(scene)
+    starts = dict(zip(order, np.cumsum([0] + [len(scene[k]["means"]) for k in order])))
+    leaves = {n: torch.from_numpy(np.concatenate([scene[k][n] for k in order])).requires_grad_(True) for n in weights}
+    loss = (weights["opacities"] * torch.abs(torch.sigmoid(leaves["opacities"])).mean()
+            + weights["scales"] * torch.abs(torch.exp(leaves["scales"])).mean())
+    loss.backward()
+    assert len(keys) < len(order), "the step must leave blocks out"
+    for name in step_module.PARAM_NAMES:
+        if name not in weights:
+            assert torch.equal(reg[name], plain[name]), name
+            continue
+        term = torch.cat([leaves[name].grad[starts[k]: starts[k] + offsets[i + 1] - offsets[i]]
+                          for i, k in enumerate(keys)])
+        torch.testing.assert_close(reg[name][stepped], plain[name][stepped] + term[stepped], rtol=1e-6, atol=1e-12)
+        assert torch.equal(reg[name][~stepped], plain[name][~stepped]), name
+        assert (reg[name][stepped] != plain[name][stepped]).any(), name
+
+
+def test_regularizers_default_to_gsplats_mcmc_preset_and_refuse_dense_adam(capsys):
+    base = ["--data", "d", "--store", "s"]
+    mcmc, default = parse_config([*base, "--strategy", "mcmc"]), parse_config(base)
+    assert (mcmc.optim.opacity_reg, mcmc.optim.scale_reg) == (0.01, 0.01)
+    assert (default.optim.opacity_reg, default.optim.scale_reg) == (0.0, 0.0)
+    assert parse_config([*base, "--strategy", "mcmc", "--scale-reg", "0"]).optim.scale_reg == 0.0
+    with pytest.raises(ConfigError, match="--adam dense with --opacity-reg 0.01"):
+        parse_config([*base, "--strategy", "mcmc", "--adam", "dense"])
+    assert parse_config([*base, "--strategy", "mcmc", "--adam", "dense", "--opacity-reg", "0", "--scale-reg", "0"])
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ConfigError, match=f"--opacity-reg {bad}: must be a finite number >= 0"):
+            parse_config([*base, "--opacity-reg", bad])
 
 
 def test_config_reruns_a_run_bit_for_bit(wall, tmp_path):

@@ -21,6 +21,9 @@ from train.optim import ADAM_MODES, AdamConfig
 
 __all__ = ["ConfigError", "OptimConfig", "RUN_FACTS", "TrainConfig", "build_parser", "parse_config"]
 
+# gsplat simple_trainer's mcmc preset: opacity_reg and scale_reg.
+MCMC_REG = 0.01
+
 # What config.json records of a run beside its settings; `--config` reads past them.
 RUN_FACTS = ("ranks", "device", "scene_scale", "train_images", "test_images")
 
@@ -36,12 +39,17 @@ class OptimConfig:
     sh0_lr: float = 2.5e-3  # SH degree 0 (the base colour)
     shN_lr: float | None = None  # SH degrees 1 and up (default: sh0_lr / 20)
     ssim_lambda: float = SSIM_LAMBDA  # loss = (1 - ssim_lambda) L1 + ssim_lambda (1 - SSIM)
+    opacity_reg: float | None = None  # loss += opacity_reg x the mean opacity of every Gaussian (default: 0.01 with --strategy mcmc, as gsplat's mcmc preset; else 0)
+    scale_reg: float | None = None  # loss += scale_reg x the mean scale of every Gaussian (default: 0.01 with --strategy mcmc, as gsplat's mcmc preset; else 0)
 
     def __post_init__(self) -> None:
         if self.shN_lr is None:
             self.shN_lr = self.sh0_lr / 20
-        for name in ("means_lr", "scales_lr", "opacities_lr", "quats_lr", "sh0_lr", "shN_lr"):
+        for name in ("means_lr", "scales_lr", "opacities_lr", "quats_lr", "sh0_lr", "shN_lr", "opacity_reg",
+                     "scale_reg"):
             value = getattr(self, name)
+            if value is None and name.endswith("_reg"):  # resolved by TrainConfig, which knows the strategy
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number >= 0")
         if not (isinstance(self.ssim_lambda, (int, float)) and 0.0 <= self.ssim_lambda <= 1.0):
@@ -105,6 +113,14 @@ class TrainConfig:
             self.densify = DensifyConfig(**self.densify)
         if isinstance(self.optim, dict):
             self.optim = OptimConfig(**self.optim)
+        for name in ("opacity_reg", "scale_reg"):
+            if getattr(self.optim, name) is None:
+                setattr(self.optim, name, MCMC_REG if self.densify.strategy == "mcmc" else 0.0)
+        if self.adam == "dense" and (self.optim.opacity_reg > 0 or self.optim.scale_reg > 0):
+            raise ConfigError(f"--adam dense with --opacity-reg {self.optim.opacity_reg} --scale-reg "
+                              f"{self.optim.scale_reg}: dense Adam takes the steps of unseen Gaussians later, as if "
+                              "their gradient were zero, which the regularisers make false; use --adam visible, or "
+                              "--opacity-reg 0 --scale-reg 0")
         if self.occlusion not in OCCLUSION_MODES:
             raise ConfigError(f"--occlusion {self.occlusion!r}: choose from {', '.join(OCCLUSION_MODES)}")
         if self.occlusion == "on" and self.adam != "contributed":

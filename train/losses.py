@@ -1,5 +1,8 @@
-"""Photometric loss and image metrics (3DGS: 0.8 L1 + 0.2 (1 - SSIM); PSNR and SSIM for evaluation)."""
+"""Photometric loss and image metrics (3DGS: 0.8 L1 + 0.2 (1 - SSIM); PSNR and SSIM for evaluation),
+and the MCMC preset's opacity and scale regularisers."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from pytorch_msssim import ssim as _ssim
@@ -30,3 +33,43 @@ def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM
 def psnr(rendered: Tensor, target: Tensor) -> float:
     mse = torch.mean((rendered.detach().clamp(0, 1) - target) ** 2).item()
     return float("inf") if mse == 0 else -10.0 * float(torch.log10(torch.tensor(mse)))
+
+
+@dataclass(frozen=True)
+class Regularizers:
+    """gsplat simple_trainer's `opacity_reg` and `scale_reg` (its MCMC preset: 0.01 each): the loss
+    gains opacity_reg |sigmoid(opacities)|.mean() + scale_reg |exp(scales)|.mean(), means over every
+    Gaussian of the scene. Out of core the terms are never summed; each step adds their gradient
+    to the rows Adam steps, which is all gsplat's visible Adam takes of it (the others' part is
+    dropped there too). The gradient of a row depends only on the row and the scene's count, so
+    it is the same on any number of ranks."""
+
+    opacity_reg: float = 0.0
+    scale_reg: float = 0.0
+    total: int = 0  # Gaussians in the scene, every rank's: the means' denominator
+
+    @property
+    def active(self) -> bool:
+        return (self.opacity_reg > 0.0 or self.scale_reg > 0.0) and self.total > 0
+
+    @torch.no_grad()
+    def add_grads(
+        self,
+        params: dict[str, Tensor],  # the batch's leaves: opacities [M] logits, scales [M, 3] log scales
+        rows: Tensor,  # [M] bool: the rows Adam steps
+    ) -> None:
+        """Adds the terms' gradient on `rows` to the leaves' `.grad` (made where backward left none)."""
+        if not self.active:
+            return
+        for name, weight in (("opacities", self.opacity_reg), ("scales", self.scale_reg)):
+            if weight <= 0.0:
+                continue
+            p = params[name]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            x = p.detach()[rows]
+            if name == "opacities":  # d/dx sigmoid(x) / N
+                o = torch.sigmoid(x)
+                p.grad[rows] += (weight / self.total) * o * (1.0 - o)
+            else:  # d/dx exp(x) / 3N
+                p.grad[rows] += (weight / (3 * self.total)) * torch.exp(x)

@@ -25,7 +25,7 @@ from octree.boxes import extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
-from train.losses import SSIM_LAMBDA, photometric_loss, psnr
+from train.losses import SSIM_LAMBDA, Regularizers, photometric_loss, psnr
 from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
@@ -376,6 +376,7 @@ def train_step(
     absgrad: bool = False,  # the statistics sum absolute per-pixel 2D mean gradients (gsplat's absgrad)
     visible: list[list[str]] | None = None,  # per camera: its blocks after occlusion culling (None: its frustum's)
     ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
+    regularizers: Regularizers = Regularizers(),  # the opacity and scale regularisers (none by default)
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
@@ -397,6 +398,8 @@ def train_step(
         back = return_grads(routed, rendered, exchange, absgrad)
         clock.mark("exchange")
         bp = backprop_owned(projected, back, adam_step.mode)
+        # before the NaN vote: a scale that overflows exp() makes the step's update non-finite
+        regularizers.add_grads(projected.gathered.params, bp.contributed)
         clock.mark("backprop")
         finite = all_stepped_finite(projected, rendered, bp)
         clock.mark("adam")

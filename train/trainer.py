@@ -25,6 +25,7 @@ from train.densify import Densifier
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, tensorboard_missing, write_config
+from train.losses import Regularizers
 from train.lpips import load_lpips
 from train.occlusion import OcclusionCuller
 from train.optim import AdamStep, LazyDense, learning_rates
@@ -260,7 +261,9 @@ class Trainer:
                                self.background, self.backend, perturb=perturb,
                                adam_step=AdamStep(self.cfg.adam, step + 1, self.lazy),
                                absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
-                               visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda)
+                               visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
+                               regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
+                                                         _num_gaussians(self.store)))
         finally:
             self.cache.unpin(needed)
         if culled is not None:

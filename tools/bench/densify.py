@@ -30,7 +30,10 @@ Scenes: lund_door (SfM points, 12 photos), vesta_colmap_bin (1,465 SfM points, 4
 `nopoints`, the `tools.make_scene object` dataset without its point cloud, tiled from random points
 (`--init-random`): densification has to make the scene (with an opacity reset every 1000 steps
 unless `--reset-every` says otherwise: the reset is what clears a random start). Section `mcmc` trains lund_door with
-`--strategy mcmc --cap-max 3 x initial`; a failure there is reported and the rest goes on.
+`--strategy mcmc --cap-max 3 x initial` twice: `mcmc`, gsplat simple_trainer's mcmc preset (the
+store tiled with `--init-opacity 0.5 --init-scale 0.1`, the trainer's default opacity and scale
+regularisers of 0.01), and `mcmc-noreg`, the default store without the regularisers (what the
+preset adds); a failure there is reported and the rest goes on.
 Section `ranks` trains lund_door with densification under `mpirun -n 4` (batch 1 a rank) and
 under `mpirun -n 1` (batch 4), `--ranks-steps` steps, and checks that both end with the same
 blocks bit for bit; it prints, per refinement, the rebalance and the Gaussians each rank owns
@@ -67,7 +70,8 @@ from train.schedule import Schedule
 from train.trainer import load_cameras, look_features
 
 SECTIONS = ("lund_door", "vesta", "nopoints", "mcmc", "ranks")
-RUNS = ("reference", "reference-visible", "ours", "ours-contributed", "ours-dense", "ours-none", "mcmc")
+RUNS = ("reference", "reference-visible", "ours", "ours-contributed", "ours-dense", "ours-none", "mcmc", "mcmc-noreg")
+MCMC_INIT = ("--init-opacity", "0.5", "--init-scale", "0.1")  # simple_trainer's mcmc preset: init_opa, init_scale
 LABELS = {"reference": "ref: gsplat", "reference-visible": "ref: visible", "ours": "ours+densify",
           "ours-contributed": "ours+contributed", "ours-dense": "ours+dense", "ours-none": "ours-none"}
 
@@ -357,6 +361,12 @@ def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConf
         data = copy_dataset(data_root / "lund_door", work / "lund_door")
         store = tile(data, work / f"lund_door-{cfg.max_per_block}.zarr", cfg.max_per_block)
         specs["lund_door"] = SceneSpec("lund_door", data, store, cfg.lund_factor)
+        if "mcmc" in sections:
+            preset = work / f"lund_door-mcmc-{cfg.max_per_block}.zarr"
+            if not preset.exists():  # tile() has no way to pass the initial opacity and scale
+                run_child(python_module("tools.tile", data, "--out", preset, "--max-per-block", str(cfg.max_per_block),
+                                        *MCMC_INIT, "--no-progress"), "tools.tile lund_door (mcmc preset)")
+            specs["mcmc"] = SceneSpec("lund_door", data, preset, cfg.lund_factor)
     if "vesta" in sections:
         data = copy_dataset(data_root / "vesta_colmap_bin", work / "vesta_colmap_bin")
         store = tile(data, work / f"vesta-{cfg.vesta_per_block}.zarr", cfg.vesta_per_block)
@@ -374,13 +384,40 @@ def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConf
     return specs
 
 
+def mcmc(specs: dict[str, SceneSpec], cfg: BenchConfig, scenes: dict[str, dict[str, Result]], png: Path) -> bool:
+    """The mcmc section: gsplat's mcmc preset and the same without its regularisers, at a cap of 3 x
+    the initial count; prints each beside the lund_door runs. False if a run failed."""
+    cap = 3 * store_size(specs["lund_door"].store).gaussians
+    options = ["--strategy", "mcmc", "--cap-max", str(cap), *cfg.refine.flags(reset=False)]  # MCMC: no reset
+    runs = {"mcmc": (specs["mcmc"], options, "gsplat's mcmc preset: init opacity 0.5, scale x 0.1, regularisers 0.01"),
+            "mcmc-noreg": (specs["lund_door"], [*options, "--opacity-reg", "0", "--scale-reg", "0"],
+                           "gsplat's initialisation, no regularisers")}
+    ok = True
+    for name, (spec, flags, what) in runs.items():
+        if name not in cfg.runs:
+            continue
+        try:
+            r = ours(spec, cfg, name, flags)
+        except BenchError as e:
+            print(f"error: {name}: {e} (the other sections went on)", file=sys.stderr)
+            ok = False
+            continue
+        print(f"\n[{name}] lund_door, --cap-max {cap:,} (3 x initial), {what}: held-out PSNR {r.psnr:.3f}, SSIM "
+              f"{r.ssim:.4f}, {r.gaussians:,} Gaussians, {r.seconds_per_step:.4f} s/step; {r.note}")
+        for run, other in scenes.get("lund_door", {}).items():
+            print(f"  {LABELS.get(run, run)}: {other.psnr:.3f} dB, {other.gaussians:,} Gaussians")
+        scenes.setdefault("lund_door", {})[name] = r
+        plot(png, scenes)
+    return ok
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="python -m tools.bench densify",
                                 description="densification: gsplat's DefaultStrategy against the trainer's")
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="300 steps, refine schedule scaled down (a smoke run)")
     p.add_argument("--only", action="append", choices=RUNS,
-                   help="run only these (repeatable; default: all; mcmc: the mcmc section's run)")
+                   help="run only these (repeatable; default: all; mcmc, mcmc-noreg: the mcmc section's runs)")
     p.add_argument("--data", type=Path, default=data_dir(), help="the shared data folder")
     p.add_argument("--work", type=Path, help="keep datasets, stores and runs here (default: a temporary folder)")
     p.add_argument("--steps", type=int, help="training steps of every run (default 3000, --quick 300)")
@@ -453,22 +490,8 @@ def main(argv: list[str]) -> int:
                 print(f"\nplot (the runs so far): {png}")
             print(f"error: {e}", file=sys.stderr)
             return 1
-        if "mcmc" in a.sections and "mcmc" in cfg.runs:
-            spec = specs["lund_door"]
-            cap = 3 * store_size(spec.store).gaussians
-            options = ["--strategy", "mcmc", "--cap-max", str(cap), *cfg.refine.flags(reset=False)]  # MCMC: no reset
-            try:
-                r = ours(spec, cfg, "mcmc", options)
-            except BenchError as e:
-                print(f"error: mcmc: {e} (the other sections went on)", file=sys.stderr)
-                failed = True
-            else:
-                print(f"\n[mcmc] lund_door, --cap-max {cap:,} (3 x initial): held-out PSNR {r.psnr:.3f}, SSIM "
-                      f"{r.ssim:.4f}, {r.gaussians:,} Gaussians, {r.seconds_per_step:.4f} s/step; {r.note}")
-                for run, other in scenes.get("lund_door", {}).items():
-                    print(f"  {LABELS[run]}: {other.psnr:.3f} dB, {other.gaussians:,} Gaussians")
-                scenes.setdefault("lund_door", {})["mcmc"] = r
-                plot(png, scenes)
+        if "mcmc" in a.sections:
+            failed |= not mcmc(specs, cfg, scenes, png)
         if "ranks" in a.sections:
             try:
                 failed |= not ranks(specs["lund_door"], cfg, a.ranks_steps)

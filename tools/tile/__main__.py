@@ -32,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-factor", type=int, default=1, help="image downscale factor for datasets")
     p.add_argument("--voxel-size", type=float, help="average point clouds in voxels of this size first (open3d; default: no averaging)")
     p.add_argument("--init-random", type=int, default=TileConfig.init_random, help="Gaussians for datasets without points")
-    p.add_argument("--init-opacity", type=float, default=TileConfig.init_opacity, help="opacity of Gaussians from points")
+    p.add_argument("--init-opacity", type=float, default=TileConfig.init_opacity,
+                   help="opacity of Gaussians from points (gsplat's mcmc preset: 0.5)")
+    p.add_argument("--init-scale", type=float, default=TileConfig.init_scale,
+                   help="factor on their initial scale, the RMS distance to the 3 nearest points (gsplat's mcmc preset: 0.1)")
     p.add_argument("--seed", type=int, default=0, help="seed of random initialisation")
     p.add_argument("--memory-mb", type=float, default=TileConfig.memory_mb, help="working memory (bigger inputs: sort on disk)")
     p.add_argument("--scratch", type=Path, help="folder for the on-disk sort (default: next to --out)")
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             init_random=args.init_random,
             data_factor=args.data_factor,
             init_opacity=args.init_opacity,
+            init_scale=args.init_scale,
             seed=args.seed,
             scratch=args.scratch,
             allow_external_images=args.allow_external_images,

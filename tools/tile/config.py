@@ -1,6 +1,7 @@
 """Options of `python -m tools.tile`, and its error type."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,9 @@ class TileConfig:
     voxel_size: point clouds are first averaged in voxels of this size (open3d; in memory).
     init_random: Gaussians drawn in the cameras' view volume when a dataset has no points.
     data_factor: image downscale factor, passed to the dataset loader.
-    init_opacity: opacity of Gaussians made from points (gsplat: 0.1).
+    init_opacity: opacity of Gaussians made from points (gsplat: 0.1; its mcmc preset: 0.5).
+    init_scale: factor on the initial scale, the RMS distance to the 3 nearest points (gsplat: 1.0;
+        its mcmc preset: 0.1).
     seed: seeds the random initialisation.
     scratch: folder for the external sort's runs; None: next to the output.
     allow_external_images: follow image paths that lead out of the dataset (see `DataConfig`).
@@ -41,6 +44,7 @@ class TileConfig:
     init_random: int = 100_000
     data_factor: int = 1
     init_opacity: float = 0.1
+    init_scale: float = 1.0
     seed: int = 0
     scratch: Path | None = None
     allow_external_images: bool = False
@@ -60,6 +64,8 @@ class TileConfig:
             raise TileError(f"--init-random must be at least 1, got {self.init_random}")
         if not 0 < self.init_opacity < 1:
             raise TileError(f"--init-opacity must be in (0, 1), got {self.init_opacity}")
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise TileError(f"--init-scale must be a positive number, got {self.init_scale}")
 
     @property
     def memory_bytes(self) -> int:

@@ -80,6 +80,7 @@ def gaussians_from_points(
     sh_degree: int,
     opacity: float,
     min_scale: float,
+    init_scale: float = 1.0,  # gsplat's init_scale: a factor on the neighbour distance
 ) -> dict[str, np.ndarray]:
     """gsplat's initial parameters; scales are floored at `min_scale` so coincident points (and a
     lone point) get a finite size instead of log(0)."""
@@ -88,7 +89,7 @@ def gaussians_from_points(
         rms = np.sqrt((neighbour_dist.astype(np.float64) ** 2).mean(axis=1))
     else:
         rms = np.zeros(n)
-    log_scale = np.log(np.maximum(rms, min_scale)).astype(np.float32)
+    log_scale = np.log(np.maximum(rms * init_scale, min_scale)).astype(np.float32)
     rgb = colors.astype(np.float32) / np.float32(255.0)
     return {
         "means": np.ascontiguousarray(means, dtype=np.float32),

@@ -191,7 +191,7 @@ def _write_blocks(
         if neighbours is not None:
             rows = gaussians_from_points(
                 rows["means"], rows["colors"], neighbours.distances(leaf), store.sh_degree, cfg.init_opacity,
-                min_scale=root.size / 2**MAX_DEPTH,
+                min_scale=root.size / 2**MAX_DEPTH, init_scale=cfg.init_scale,
             )  # fmt: skip
         key = BlockKey(int(depths[leaf]), int(codes[leaf])).name
         arrays = {**rows, **empty_state(len(rows["means"]), store.sh_degree)}
