@@ -1,14 +1,21 @@
 """python -m tools.plan: the planner against the exchange-volume bench's exact counting (the
-same layout code, and a sampled city against the full one), its accounting against brute force,
-and its refusal of bad input before any work."""
+same layout code, and a sampled city against the full one), a store's plan against the bytes a real
+`mpirun` run of it sends, its accounting against brute force, and its refusal of bad input before
+any work."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from octree import frustum_cull
+from tests.conftest import REPO
 from tools.bench import mpi
 from tools.plan import __main__ as cli
 from tools.plan.city import sample_city
@@ -17,6 +24,7 @@ from tools.scenes import CityConfig, generate_city
 from train.schedule import step_cameras
 
 RANKS, PER_RANK, STEPS, SEED = 3, 2, 4, 5
+MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
 
 
 def _bench(city_splats, cameras, max_per_block):
@@ -119,3 +127,43 @@ def test_a_non_numeric_count_is_an_argument_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--gaussians", "lots"])
     assert e.value.code == 2 and "'lots' is not a number" in capsys.readouterr().err
+
+
+def test_a_stores_plan_is_what_mpirun_sends_byte_for_byte(wall, tmp_path, capsys):
+    """`--store`: the planner's per-rank, per-step bytes are those `mpirun -n 2 python -m train`
+    logs (`bytes_sent`, `bytes_received`) on the same store, cameras and schedule: the same
+    regions, camera assignment, culling and projection, and the same wire format."""
+    data, store = wall
+    trained = tmp_path / "t.zarr"
+    shutil.copytree(store, trained)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "train", "--data", str(data), "--store", str(trained),
+                           "--out", str(tmp_path / "out"), "--steps", "3", "--batch-size", "2", "--strategy", "none",
+                           "--log-every", "1", "--no-progress", "--deterministic"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cli.main(["--store", str(store), "--data", str(data), "--ranks", "2", "--batch-size", "2", "--steps", "3",
+                     "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["gaussians"] == 12_000 and doc["sample_weight"] == 1 and len(doc["steps"]) == 3
+    for rank in range(2):
+        lines = [json.loads(line) for line in (tmp_path / "out" / f"metrics.rank{rank}.jsonl").read_text().splitlines()]
+        logged = [r for r in lines if r["kind"] == "train"]
+        assert [r["step"] for r in logged] == [1, 2, 3]
+        for planned, measured in zip(doc["steps"], logged):
+            assert planned["bytes_sent"][rank] == measured["bytes_sent"], (rank, measured["step"])
+            assert planned["bytes_received"][rank] == measured["bytes_received"], (rank, measured["step"])
+    assert all(step["bytes_sent"][0] > 0 for step in doc["steps"]), "splats must travel"
+    assert sum(doc["per_rank"]["gaussians"]) == 12_000
+
+
+def test_a_store_plan_needs_its_dataset_and_enough_cameras(wall, capsys):
+    data, store = wall
+    assert cli.main(["--store", str(store)]) == 2
+    assert "--store and --data go together" in capsys.readouterr().err
+    assert cli.main(["--store", str(store), "--data", str(data), "--ranks", "20", "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "28 training cameras, but a step needs --ranks x --batch-size = 40" in err
+    assert cli.main(["--store", str(data), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1

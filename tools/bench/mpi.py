@@ -1,4 +1,4 @@
-"""`python -m tools.bench mpi {volume,scaling}`: what the MPI exchange costs.
+"""`python -m tools.bench mpi {volume,scaling,planned}`: what the MPI exchange costs.
 
 volume: bytes per step of our boundary exchange against gsplat's distributed mode on the
 street-level synthetic city (`tools.scenes`), counted exactly from the splats every camera gets.
@@ -19,6 +19,13 @@ either system, so it is not modelled.
           10 float columns back. The cameras go to the same ranks as ours.
   Control messages (counts: R x cameras integers per rank) are left out of both.
 
+planned: `python -m tools.plan` against a real run. A generated city (`tools.make_scene city`) is
+tiled and trained under `mpirun -n R` (`--strategy none`, a metrics line every step); the planner
+plans the same store (`--store`, the trainer's regions, cameras and schedule) and, for the model
+it uses at sizes nobody can train here, a sampled city of the same size and cameras (city mode).
+Per step and rank: bytes sent and received as the trainer counts them (splat payloads, no control
+messages) against the plans'.
+
 scaling: strong scaling of the trainer (`python -m train` under mpirun, real runs). Steps per second
 of 2 ranks x batch 1 against 1 rank x batch 2 (the same global batch, hence the same parameters) on
 lund_door at a size where rasterization dominates, one thread a rank; then 8 ranks x batch 1
@@ -35,7 +42,9 @@ noise left.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +54,8 @@ import torch
 from torch import Tensor
 
 from octree import build_octree, extent_boxes, partition
-from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, BenchError, TrainRun, copy_dataset, ratio, run_means,
-                               scratch, store_size, tile, train, warm_images)
+from tools.bench.train import (DEFAULT_DATA, QUICK_WALL, REPO, BenchError, TrainRun, copy_dataset, python_module,
+                               ratio, run_child, run_means, scratch, store_size, tile, train, warm_images)
 from tools.scenes import CityConfig, CityError, generate_city, make_wall
 from tools.tile import TileConfig
 from train.camera import Camera
@@ -461,7 +470,78 @@ def scaling(argv: list[str]) -> int:
     return 0
 
 
-SUBCOMMANDS = {"volume": volume, "scaling": scaling}
+# ---- planned ----
+
+def _planner(*args: str | os.PathLike) -> dict:
+    """`python -m tools.plan ... --json` in a child process, its document."""
+    proc = subprocess.run(python_module("tools.plan", *args, "--json"), cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"python -m tools.plan: exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
+def _relative(planned: np.ndarray, measured: np.ndarray) -> str:
+    return f"{(planned.sum() - measured.sum()) / measured.sum():+.2%}" if measured.sum() else "n/a"
+
+
+def planned(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench mpi planned", formatter_class=HelpFormatter,
+                                description="the planner's bytes per step and rank against a real mpirun run")
+    p.add_argument("--gaussians", type=float, default=2e5, help="ground-truth Gaussians of the city")
+    p.add_argument("--cameras", type=int, default=64, help="the city's cameras")
+    p.add_argument("--ranks", type=int, default=4, help="MPI ranks")
+    p.add_argument("--steps", type=int, default=20, help="training steps")
+    p.add_argument("--max-per-block", type=int, default=4096, help="the tiler's leaf capacity")
+    p.add_argument("--work", type=Path, help="keep the city, store and runs here (default: a temporary folder)")
+    a = p.parse_args(argv)
+    for name in ("cameras", "ranks", "steps", "max_per_block"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
+    with scratch(a.work) as work:
+        try:
+            data = work / f"city-{a.gaussians:g}"
+            if not (data / "transforms.json").is_file():
+                run_child(python_module("tools.make_scene", "city", data, "--gaussians", f"{a.gaussians:g}",
+                                        "--cameras", str(a.cameras), "--overwrite", "--clean"), "tools.make_scene city")
+            store = tile(data, work / f"city-{a.gaussians:g}-{a.max_per_block}.zarr", a.max_per_block)
+            warm_images(data, 1)
+            run = train(data, store, work / "run", a.steps, "--strategy", "none", ranks=a.ranks)
+            flags = ["--ranks", str(a.ranks), "--steps", str(a.steps)]
+            of_store = _planner("--store", store, "--data", data, *flags)
+            meta = json.loads((data / "transforms.json").read_text())
+            first = meta["frames"][0]
+            width, height = int(first.get("w", meta.get("w"))), int(first.get("h", meta.get("h")))
+            of_city = _planner("--gaussians", f"{a.gaussians:g}", "--cameras", str(a.cameras), "--width", str(width),
+                               "--height", str(height), "--max-per-block", str(a.max_per_block), *flags)
+        except (BenchError, OSError, ValueError, KeyError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    measured = {k: np.array([[r[k] for r in lines] for lines in run.ranks], dtype=np.float64).T  # [steps, R]
+                for k in ("bytes_sent", "bytes_received")}
+    by_store = {k: np.array([s[k] for s in of_store["steps"]]) for k in measured}
+    print(f"\ncity of {a.gaussians:g} ground-truth Gaussians; the store tiled from its point cloud holds "
+          f"{of_store['gaussians']:,} in {of_store['blocks']} blocks; {a.ranks} ranks x 1 camera, {a.steps} steps")
+    print(f"{'step':>4s} {'rank':>4s} {'sent (real)':>12s} {'planned':>12s} {'received (real)':>16s} {'planned':>12s}")
+    for step in range(a.steps):
+        for r in range(a.ranks):
+            print(f"{step + 1:4d} {r:4d} {measured['bytes_sent'][step, r]:12,.0f} {by_store['bytes_sent'][step, r]:12,.0f} "
+                  f"{measured['bytes_received'][step, r]:16,.0f} {by_store['bytes_received'][step, r]:12,.0f}")
+    exact = sum(int((by_store[k] == measured[k]).sum()) for k in measured)
+    worst = max(float(np.abs(by_store[k] - measured[k]).max() / max(measured[k].max(), 1)) for k in measured)
+    print(f"\n--store plan: {exact} of {2 * measured['bytes_sent'].size} (step, rank, direction) figures exact; "
+          f"total bytes sent {_relative(by_store['bytes_sent'], measured['bytes_sent'])} against the run; "
+          f"largest difference {worst:.2%} of the largest figure")
+    real_step = measured["bytes_sent"].sum() / a.steps
+    city_step = of_city["per_step"]["bytes_ours_fwd_bwd"]  # both directions of every travelling splat
+    print(f"city mode ({of_city['gaussians']:,} Gaussians, the ground truth's model): {city_step:,.0f} B a step "
+          f"against the run's {real_step:,.0f} ({(city_step - real_step) / real_step:+.1%}); splats a step "
+          f"{of_city['per_step']['splats']:,.0f} planned")
+    print(f"\nload average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+SUBCOMMANDS = {"volume": volume, "scaling": scaling, "planned": planned}
 
 
 def main(argv: list[str]) -> int:

@@ -117,6 +117,13 @@ def plan_run(splats: dict[str, np.ndarray],  # the samples, gsplat's parameters
     max_per_block // weight samples, so at most max_per_block Gaussians)."""
     layout = build_layout(splats, ranks, max(1, max_per_block // weight), cameras)
     log(f"layout: {len(layout.counts):,} blocks over {ranks} ranks")
+    return plan_layout(layout, weight, cameras, steps, per_rank, sh_degree, log)
+
+
+def plan_layout(layout: Layout, weight: int, cameras: list[Camera], steps: list[np.ndarray], per_rank: int,
+                sh_degree: int, log: Callable[[str], None] = lambda line: None) -> Plan:
+    """The given steps on a layout: a sampled city's (`plan_run`) or a store's (`tools.plan.store`)."""
+    ranks = layout.ranks
     owner_of_row = layout.owner
     counts = layout.counts * weight  # [B] Gaussians
     block_bytes = counts * bytes_per_gaussian(sh_degree)

@@ -67,6 +67,9 @@ def plan_document(plan: Plan, network_gbps: float, cache_gb: float | None) -> di
             "seconds_ours": float(links["ours"].max() / bytes_per_s),
             "seconds_gsplat": float(links["gsplat"].max() / bytes_per_s),
         },
+        # Each planned step as the trainer logs it (`bytes_sent`, `bytes_received` of a rank's
+        # metrics line): forward splats out and their gradients in, and the other way round.
+        "steps": [_step_record(step) for step in plan.steps],
         "cache": {
             "needed_bytes_max": int(cache.max()),
             "budget_bytes": None if cache_gb is None else int(cache_gb * 1e9),
@@ -74,6 +77,14 @@ def plan_document(plan: Plan, network_gbps: float, cache_gb: float | None) -> di
         },
     }
     return doc
+
+
+def _step_record(step) -> dict[str, Any]:
+    t = step.rank_traffic()
+    sent, received = t["ours sent"], t["ours received"]
+    return {"cameras": step.cameras.tolist(), "camera_ranks": step.ranks.tolist(),
+            "bytes_sent": (sent * OURS_FORWARD_BYTES + received * OURS_BACKWARD_BYTES).tolist(),
+            "bytes_received": (received * OURS_FORWARD_BYTES + sent * OURS_BACKWARD_BYTES).tolist()}
 
 
 def print_plan(doc: dict[str, Any], header: list[str]) -> None:
