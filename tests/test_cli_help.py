@@ -23,6 +23,7 @@ COMMANDS = [
     ("tools.bench.train", []),
     ("tools.bench.mpi", ["volume"]),
     ("tools.bench.mpi", ["scaling"]),
+    ("tools.bench.mpi", ["planned"]),
     ("tools.bench.densify", []),
     ("tools.bench.view", []),
     ("tools.bench.occlusion", []),

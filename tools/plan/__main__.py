@@ -128,8 +128,8 @@ def parse_args(argv: list[str]) -> tuple[PlanConfig, bool]:
                    help="city blocks a side (default: as many as --gaussians needs at 2 Gaussians a square metre)")
     p.add_argument("--seed", type=int, default=d.seed, help="the city's and the schedule's seed")
     p.add_argument("--store", type=Path, help="plan this store (from `tools.tile`) instead of a city; the city's "
-                   "options, --sh-degree and --max-per-block are then the store's own")
-    p.add_argument("--data", type=Path, help="with --store: its dataset, whose training cameras are planned")
+                   "options, --sh-degree and --max-per-block are then the store's own (default: plan a city)")
+    p.add_argument("--data", type=Path, help="with --store: its dataset, whose training cameras are planned (default: none)")
     p.add_argument("--data-factor", type=int, default=d.data_factor, help="with --store: the trainer's --data-factor")
     p.add_argument("--test-every", type=int, default=d.test_every, help="with --store: the trainer's --test-every")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document instead of tables")
