@@ -153,6 +153,7 @@ def test_a_stores_plan_is_what_mpirun_sends_byte_for_byte(wall, tmp_path, capsys
         for planned, measured in zip(doc["steps"], logged):
             assert planned["bytes_sent"][rank] == measured["bytes_sent"], (rank, measured["step"])
             assert planned["bytes_received"][rank] == measured["bytes_received"], (rank, measured["step"])
+        assert all(r["owned"] == doc["per_rank"]["gaussians"][rank] for r in logged), rank  # the same regions
     assert all(step["bytes_sent"][0] > 0 for step in doc["steps"]), "splats must travel"
     assert sum(doc["per_rank"]["gaussians"]) == 12_000
 
