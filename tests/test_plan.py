@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from octree import frustum_cull
+from storage import Store
 from tests.conftest import REPO
 from tools.bench import mpi
 from tools.plan import __main__ as cli
@@ -158,7 +159,7 @@ def test_a_stores_plan_is_what_mpirun_sends_byte_for_byte(wall, tmp_path, capsys
     assert sum(doc["per_rank"]["gaussians"]) == 12_000
 
 
-def test_a_store_plan_needs_its_dataset_and_enough_cameras(wall, capsys):
+def test_a_store_plan_needs_its_dataset_and_enough_cameras(wall, tmp_path, capsys):
     data, store = wall
     assert cli.main(["--store", str(store)]) == 2
     assert "--store and --data go together" in capsys.readouterr().err
@@ -168,3 +169,10 @@ def test_a_store_plan_needs_its_dataset_and_enough_cameras(wall, capsys):
     assert cli.main(["--store", str(data), "--data", str(data)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(store, damaged)
+    bad = sorted(Store.open(damaged, mode="r").table)[3]
+    (damaged / "blocks" / bad / "0" / "params" / "c.0.0").write_bytes(b"not a chunk")
+    assert cli.main(["--store", str(damaged), "--data", str(data), "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and bad in err and "Traceback" not in err and err.count("\n") == 1

@@ -194,7 +194,10 @@ def _plan_store(cfg: PlanConfig, as_json: bool) -> int:
         raise PlanError(f"--data {cfg.data}: {len(cams)} training cameras, but a step needs --ranks x --batch-size = "
                         f"{cfg.ranks * cfg.batch_size}")
     log = _logger(t0)
-    layout, weight = store_layout(store, cfg.ranks, cams, MAX_SAMPLES)
+    try:
+        layout, weight = store_layout(store, cfg.ranks, cams, MAX_SAMPLES)
+    except StoreError as e:  # a corrupt or missing block
+        raise PlanError(f"{e}") from e
     log(f"store: {len(layout.counts):,} blocks, {len(layout.splats['means']):,} samples of {weight} Gaussians, "
         f"{len(cams):,} training cameras")
     plan = plan_layout(layout, weight, cams, _steps(cfg, cams, scene.scene_scale), cfg.batch_size,
