@@ -362,10 +362,7 @@ def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConf
         store = tile(data, work / f"lund_door-{cfg.max_per_block}.zarr", cfg.max_per_block)
         specs["lund_door"] = SceneSpec("lund_door", data, store, cfg.lund_factor)
         if "mcmc" in sections:
-            preset = work / f"lund_door-mcmc-{cfg.max_per_block}.zarr"
-            if not preset.exists():  # tile() has no way to pass the initial opacity and scale
-                run_child(python_module("tools.tile", data, "--out", preset, "--max-per-block", str(cfg.max_per_block),
-                                        *MCMC_INIT, "--no-progress"), "tools.tile lund_door (mcmc preset)")
+            preset = tile(data, work / f"lund_door-mcmc-{cfg.max_per_block}.zarr", cfg.max_per_block, *MCMC_INIT)
             specs["mcmc"] = SceneSpec("lund_door", data, preset, cfg.lund_factor)
     if "vesta" in sections:
         data = copy_dataset(data_root / "vesta_colmap_bin", work / "vesta_colmap_bin")
@@ -373,11 +370,8 @@ def scene_specs(work: Path, data_root: Path, sections: list[str], cfg: BenchConf
         specs["vesta"] = SceneSpec("vesta", data, store, cfg.vesta_factor)
     if "nopoints" in sections:
         data = nopoints_dataset(work)
-        store = work / f"{data.name}-random{cfg.init_random}-{cfg.max_per_block}.zarr"
-        if not store.exists():  # tile() has no way to pass --init-random
-            run_child(python_module("tools.tile", data, "--out", store, "--max-per-block", str(cfg.max_per_block),
-                                    "--init-random", str(cfg.init_random), "--seed", str(cfg.seed), "--no-progress"),
-                      "tools.tile nopoints")
+        store = tile(data, work / f"{data.name}-random{cfg.init_random}-{cfg.max_per_block}.zarr", cfg.max_per_block,
+                     "--init-random", str(cfg.init_random), "--seed", str(cfg.seed))
         specs["nopoints"] = SceneSpec("nopoints", data, store, 1, (cfg.steps // 3, cfg.steps))
     for spec in specs.values():
         warm_images(spec.data, spec.data_factor)

@@ -509,12 +509,11 @@ def planned(argv: list[str]) -> int:
             run = train(data, store, work / "run", a.steps, "--strategy", "none", ranks=a.ranks)
             flags = ["--ranks", str(a.ranks), "--steps", str(a.steps)]
             of_store = _planner("--store", store, "--data", data, *flags)
-            meta = json.loads((data / "transforms.json").read_text())
-            first = meta["frames"][0]
-            width, height = int(first.get("w", meta.get("w"))), int(first.get("h", meta.get("h")))
-            of_city = _planner("--gaussians", f"{a.gaussians:g}", "--cameras", str(a.cameras), "--width", str(width),
-                               "--height", str(height), "--max-per-block", str(a.max_per_block), *flags)
-        except (BenchError, OSError, ValueError, KeyError) as e:
+            size = of_store["store"]  # the dataset's cameras as the trainer loads them
+            of_city = _planner("--gaussians", f"{a.gaussians:g}", "--cameras", str(a.cameras), "--width",
+                               str(size["width"]), "--height", str(size["height"]), "--max-per-block",
+                               str(a.max_per_block), *flags)
+        except (BenchError, OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     measured = {k: np.array([[r[k] for r in lines] for lines in run.ranks], dtype=np.float64).T  # [steps, R]

@@ -124,11 +124,12 @@ def copy_dataset(src: Path, out: Path) -> Path:
     return out
 
 
-def tile(src: Path, store: Path, max_per_block: int) -> Path:
-    """A pristine store (made once per work folder); training copies it first (see `fresh_copy`)."""
+def tile(src: Path, store: Path, max_per_block: int, *options: str) -> Path:
+    """A pristine store (made once per work folder), `options` passed on to `tools.tile`; training
+    copies it first (see `fresh_copy`)."""
     if not store.exists():
         run_child(python_module("tools.tile", src, "--out", store, "--max-per-block", str(max_per_block),
-                                "--no-progress"), f"tools.tile {src.name}")
+                                *options, "--no-progress"), f"tools.tile {src.name}")
     return store
 
 
