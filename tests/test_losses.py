@@ -163,3 +163,22 @@ def test_regularizers_make_a_gradient_where_backward_left_none():
     assert params["opacities"].grad.tolist() == pytest.approx([0.01 / 8 * 0.25, 0, 0.01 / 8 * 0.25, 0])
     assert params["scales"].grad[1].tolist() == [0, 0, 0]
     assert params["scales"].grad[0].tolist() == pytest.approx([0.01 / 24] * 3)
+
+
+def test_a_rows_regulariser_gradient_does_not_depend_on_its_place_in_the_batch():
+    """Ranks gather different batches, so the same Gaussian sits at other rows (torch.sigmoid
+    rounds a tensor's vector body and its scalar tail differently: this failed with it)."""
+    g = torch.Generator().manual_seed(1)
+    opacities, scales = torch.randn(4096, generator=g) * 3, torch.randn(4096, 3, generator=g) - 4
+
+    def grads(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        params = {"opacities": opacities[lo:hi].clone().requires_grad_(True),
+                  "scales": scales[lo:hi].clone().requires_grad_(True)}
+        Regularizers(0.01, 0.01, total=4096).add_grads(params, torch.ones(hi - lo, dtype=torch.bool))
+        return {name: p.grad for name, p in params.items()}
+
+    whole = grads(0, 4096)
+    for lo, hi in ((0, 7), (5, 100), (1000, 1013), (3, 4096), (4090, 4096)):
+        part = grads(lo, hi)
+        for name in part:
+            assert torch.equal(part[name], whole[name][lo:hi]), (name, lo, hi)

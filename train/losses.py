@@ -2,8 +2,11 @@
 and the MCMC preset's opacity and scale regularisers."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numba
+import numpy as np
 import torch
 from pytorch_msssim import ssim as _ssim
 from torch import Tensor
@@ -33,6 +36,22 @@ def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM
 def psnr(rendered: Tensor, target: Tensor) -> float:
     mse = torch.mean((rendered.detach().clamp(0, 1) - target) ** 2).item()
     return float("inf") if mse == 0 else -10.0 * float(torch.log10(torch.tensor(mse)))
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_reg_grads(x, g, rows, coeff, sigmoid):  # x, g: [M, K] float32; rows: [n] int64; in place on g
+    """coeff * sigmoid'(x), or coeff * exp(x), added to g's rows: one row at a time, so a row's value
+    does not depend on where it sits in the batch (torch's vectorised sigmoid rounds the elements
+    of a tensor's tail, done by its scalar loop, otherwise than the body: a row's gradient changed
+    in the last bit with the number of ranks)."""
+    c, one = np.float32(coeff), np.float32(1.0)
+    for r in rows:  # in float32, as the loss's autograd computes it
+        for j in range(x.shape[1]):
+            if sigmoid:
+                o = one / (one + math.exp(-x[r, j]))
+                g[r, j] += c * o * (one - o)
+            else:
+                g[r, j] += c * math.exp(x[r, j])
 
 
 @dataclass(frozen=True)
@@ -65,11 +84,13 @@ class Regularizers:
             if weight <= 0.0:
                 continue
             p = params[name]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            x = p.detach()[rows]
-            if name == "opacities":  # d/dx sigmoid(x) / N
-                o = torch.sigmoid(x)
-                p.grad[rows] += (weight / self.total) * o * (1.0 - o)
-            else:  # d/dx exp(x) / 3N
-                p.grad[rows] += (weight / (3 * self.total)) * torch.exp(x)
+            if p.grad is None or not p.grad.is_contiguous():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.contiguous()
+            opacity = name == "opacities"  # d/dx sigmoid(x) / N, else d/dx exp(x) / 3N
+            coeff = weight / self.total if opacity else weight / (3 * self.total)
+            if p.device.type == "cpu":
+                x, g = (t.detach().reshape(len(p), -1).contiguous().numpy() for t in (p, p.grad))
+                _add_reg_grads(x, g, np.flatnonzero(rows.cpu().numpy()), coeff, opacity)
+            else:  # CUDA: torch's elementwise kernels, one code path for every element
+                x = p.detach()[rows]
+                p.grad[rows] += coeff * (torch.sigmoid(x) * (1.0 - torch.sigmoid(x)) if opacity else torch.exp(x))

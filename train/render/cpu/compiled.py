@@ -19,14 +19,14 @@ from pathlib import Path
 
 
 def _dispatchers() -> list:
-    from train import optim, ssim, stats
+    from train import losses, optim, ssim, stats
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
-            ssim._ssim_forward, ssim._ssim_backward, stats._accumulate]
+            ssim._ssim_forward, ssim._ssim_backward, stats._accumulate, losses._add_reg_grads]
 
 
 def cached() -> bool:
@@ -51,13 +51,13 @@ def ensure_compiled() -> None:
 
 def _compile_all() -> None:
     """Project, rasterize, take the training loss and backpropagate a small scene, step sparse
-    Adam on a block and gather its densification statistics."""
+    Adam on a block (the regularisers' gradients added) and gather its densification statistics."""
     import numpy as np
     import torch
 
     from storage.schema import block_schema
     from train.camera import Camera
-    from train.losses import photometric_loss
+    from train.losses import Regularizers, photometric_loss
     from train.optim import AdamConfig, sparse_adam_step
     from train.render import project, rasterize
     from train.stats import accumulate_stats, empty_stats
@@ -77,6 +77,7 @@ def _compile_all() -> None:
                                                                           "sh0", "shN")}
     out = rasterize(project(params, camera, sh_degree), camera, torch.zeros(3))
     photometric_loss(out.rgb, torch.full_like(out.rgb, 0.5)).backward()
+    Regularizers(0.01, 0.01, n).add_grads(params, torch.ones(n, dtype=torch.bool))
     grads = {name: p.grad for name, p in params.items()}
     sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
     acc = empty_stats(n)
