@@ -334,6 +334,20 @@ class BlockCache:
         """Blocks on the device tier, least recently used first."""
         return iter(list(self._tiers[0].blocks.values()))
 
+    @property
+    def budget(self) -> int:
+        """Bytes the device tier may hold."""
+        return self._tiers[0].budget
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one Gaussian of a block takes in this cache."""
+        return self._bytes_per_row
+
+    def block_rows(self, key: str) -> int:
+        """Gaussians of the newest version of block `key` (resident or not)."""
+        return self._lookup(key).count
+
     def nbytes(self, tier: int = 0) -> int:
         """Bytes a tier holds now, in-flight bytes included (what the budget bounds)."""
         return self._tiers[tier].used + self._tiers[tier].reserved

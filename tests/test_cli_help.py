@@ -28,6 +28,7 @@ COMMANDS = [
     ("tools.bench.view", []),
     ("tools.bench.occlusion", []),
     ("tools.bench.opensplat", []),
+    ("tools.bench.scale", []),
 ]
 
 

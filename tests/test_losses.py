@@ -163,6 +163,9 @@ def test_regularizers_make_a_gradient_where_backward_left_none():
     assert params["opacities"].grad.tolist() == pytest.approx([0.01 / 8 * 0.25, 0, 0.01 / 8 * 0.25, 0])
     assert params["scales"].grad[1].tolist() == [0, 0, 0]
     assert params["scales"].grad[0].tolist() == pytest.approx([0.01 / 24] * 3)
+    empty = {"opacities": torch.zeros(0, requires_grad=True), "scales": torch.zeros(0, 3, requires_grad=True)}
+    Regularizers(0.01, 0.01, total=8).add_grads(empty, torch.zeros(0, dtype=torch.bool))  # a rank that sees nothing
+    assert empty["opacities"].grad.shape == (0,) and empty["scales"].grad.shape == (0, 3)
 
 
 def test_a_rows_regulariser_gradient_does_not_depend_on_its_place_in_the_batch():

@@ -89,6 +89,8 @@ class Regularizers:
             opacity = name == "opacities"  # d/dx sigmoid(x) / N, else d/dx exp(x) / 3N
             coeff = weight / self.total if opacity else weight / (3 * self.total)
             if p.device.type == "cpu":
+                if len(p) == 0:  # a rank that sees none of its blocks this step
+                    continue
                 x, g = (t.detach().reshape(len(p), -1).contiguous().numpy() for t in (p, p.grad))
                 _add_reg_grads(x, g, np.flatnonzero(rows.cpu().numpy()), coeff, opacity)
             else:  # CUDA: torch's elementwise kernels, one code path for every element

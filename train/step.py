@@ -9,7 +9,9 @@ gradients to their owners, who backpropagate through their projections; `adam_up
 sparse Adam on the rows the `AdamStep` mode selects (by default those that contributed to a
 pixel; under dense Adam every row, each first brought up to date by `catch_up` after paging)
 and adds the densification statistics.
-`train_step` composes them; each phase's wall and CPU seconds go to `StepStats`.
+`train_step` composes them; each phase's wall and CPU seconds go to `StepStats`. A step whose
+blocks do not fit the cache at once (`train.waves.plan_waves`) pages them in waves instead:
+`project_waves` before the rasterization, `step_waves` (backpropagation and Adam) after it.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.stats import accumulate_stats, empty_stats
+from train.waves import plan_waves
 
 
 @dataclass
@@ -39,6 +42,7 @@ class StepStats:
     psnr: float = 0.0
     skipped: bool = False  # a non-finite loss or gradient somewhere: no parameter changed
     blocks: int = 0  # blocks paged in for the step
+    waves: int = 0  # waves the step paged its blocks in (0: they fitted the cache at once)
     projected: int = 0  # splats this rank projected (all cameras)
     local: int = 0  # splats this rank rasterized that it owns
     received: int = 0  # splats this rank rasterized that another rank owns
@@ -226,14 +230,15 @@ def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, bac
     return Projected(g, projection, projection.splats)
 
 
-def route_splats(projected: Projected, cam_rank: list[int], exchange: Exchange, n_cams: int) -> Routed:
+def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int) -> Routed:
+    """owned: camera index -> this rank's splats for it."""
     rank = exchange.rank
-    outgoing = {(cam_rank[i], i): s for i, s in projected.owned.items() if cam_rank[i] != rank}
+    outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
     incoming = exchange.send_splats(outgoing, n_cams)
     # Own splats cross the same boundary as received ones (leaves whose gradients are handed
     # back), so each owner backpropagates its projections in camera order, whoever rendered
     # them: gradient sums, hence parameters, come out the same for any number of ranks.
-    kept = {i: s.as_leaves() for i, s in projected.owned.items() if cam_rank[i] == rank}
+    kept = {i: s.as_leaves() for i, s in owned.items() if cam_rank[i] == rank}
     return Routed(incoming, kept)
 
 
@@ -310,13 +315,16 @@ def catch_up(paged: Paged, cache, adam_step: AdamStep) -> None:
         catch_up_block(adam_step.lazy, cache, k, adam_step.number - 1)
 
 
-def all_stepped_finite(projected: Projected, rendered: Rendered, bp: Backprop) -> bool:
-    finite = all(all_finite(l) for l in rendered.losses)
+def stepped_grads_finite(projected: Projected, bp: Backprop) -> bool:
     for p in projected.gathered.params.values():
         # Only stepped rows matter; the masked check runs only when something is not finite.
         if p.grad is not None and not all_finite(p.grad) and not all_finite(p.grad[bp.contributed]):
-            finite = False
-    return finite
+            return False
+    return True
+
+
+def losses_finite(rendered: Rendered) -> bool:
+    return all(all_finite(l) for l in rendered.losses)
 
 
 def adam_update(
@@ -356,7 +364,146 @@ def adam_update(
         cache.mark_dirty(k)
         changed.append(k)
         stats.contributed += rows
-    stats.extents = _extents({k: paged.tensors[k] for k in changed})
+    stats.extents.update(_extents({k: paged.tensors[k] for k in changed}))
+
+
+# ---- views larger than the cache: the step in waves (train/waves.py) ----
+
+@dataclass
+class WaveForward:
+    """Pass 1 of a step in waves: every camera's splats of all waves; the blocks are released."""
+
+    waves: list[list[str]]  # contiguous Morton ranges of the step's blocks
+    visible: list[list[list[str]]]  # wave -> camera -> its blocks in the wave
+    counts: list[dict[int, int]]  # wave -> camera index -> splats the wave gave that camera
+    owned: dict[int, Splats2D]  # camera index -> its splats of all waves, in wave order (ids: rows of the step)
+
+
+def project_waves(
+    waves: list[list[str]],
+    visible: list[list[str]],  # per camera: the owned blocks it sees
+    cameras: list[Camera],
+    cache,
+    sh_degree: int,
+    backend: str,
+    prepare: Callable[[str], None] | None = None,  # called on each block before it is read (dense Adam's catch-up)
+    clock: _Clock | None = None,
+) -> WaveForward:
+    """Page each wave (pinned while it is projected, the next one loading meanwhile), project it
+    into every camera that sees some of it and let it go: only the detached splats stay. Each
+    camera's splats come out in the order one batch of all the blocks gives them."""
+    fwd = WaveForward(waves, [], [], {})
+    parts: dict[int, list[Splats2D]] = {}
+    row0 = 0
+    for w, keys in enumerate(waves):
+        cache.pin(keys)
+        try:
+            if w + 1 < len(waves):
+                cache.prefetch(waves[w + 1])
+            for k in keys if prepare is not None else ():
+                prepare(k)
+            inside = set(keys)
+            vis = [[k for k in v if k in inside] for v in visible]
+            g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
+            if clock is not None:
+                clock.mark("io")
+            splats = project_owned(g, vis, cameras, sh_degree, backend).splats
+            if clock is not None:
+                clock.mark("project")
+        finally:
+            cache.unpin(keys)
+        fwd.visible.append(vis)
+        fwd.counts.append({i: len(p) for i, p in splats.items()})
+        for i, p in splats.items():
+            p.ids = p.ids + row0
+            parts.setdefault(i, []).append(p)
+        row0 += g.offsets[-1]
+    fwd.owned = {i: p[0] if len(p) == 1 else Splats2D.cat(p) for i, p in sorted(parts.items())}
+    return fwd
+
+
+def splat_grads_finite(back: dict[int, Back], mode: str) -> bool:
+    """The vote of a step in waves, taken before any wave is stepped: the splat gradients of the
+    rows Adam will step (their parameters' gradients come only wave by wave)."""
+    return all(all_finite(b.grads if mode != "contributed" else b.grads[b.contributed]) for b in back.values())
+
+
+def _slice_back(b: Back, lo: int, hi: int) -> Back:
+    return Back(b.grads[lo:hi], b.contributed[lo:hi], None if b.absgrad is None else b.absgrad[lo:hi])
+
+
+def step_waves(
+    fwd: WaveForward,
+    back: dict[int, Back],
+    cameras: list[Camera],
+    cache,
+    sh_degree: int,
+    backend: str,
+    adam_step: AdamStep,
+    regularizers: Regularizers,
+    lrs: dict[str, float],
+    adam: AdamConfig,
+    stats: StepStats,
+    clock: _Clock,
+    perturb=None,
+) -> bool:
+    """Pass 2: page the waves again, last first (it is still resident), backpropagate each one's
+    share of the splat gradients through its projection, computed again, and step Adam on it.
+    False when a wave's parameter gradients are not finite although the splat gradients were:
+    that wave and those before it stay as they were (the ones after it have stepped)."""
+    start = {i: 0 for i in back}
+    starts = []
+    for counts in fwd.counts:
+        starts.append(dict(start))
+        for i in back:
+            start[i] += counts.get(i, 0)
+    for w in reversed(range(len(fwd.waves))):
+        keys = fwd.waves[w]
+        cache.pin(keys)
+        try:
+            if w > 0:
+                cache.prefetch(fwd.waves[w - 1])
+            cached = {k: cache.get(k) for k in keys}
+            paged = Paged(keys, fwd.visible[w], cached, {k: b.tensors for k, b in cached.items()})
+            clock.mark("io")
+            projected = project_owned_batch(paged, cameras, sh_degree, backend)
+            if any(len(p) != fwd.counts[w][i] for i, p in projected.owned.items()):
+                raise RuntimeError(f"wave {w} of the step projected differently the second time: the projection "
+                                   "must be deterministic for a step in waves")
+            clock.mark("project")
+            bp = backprop_owned(projected, {i: _slice_back(b, starts[w][i], starts[w][i] + fwd.counts[w][i])
+                                            for i, b in back.items() if i in fwd.counts[w]}, adam_step.mode)
+            regularizers.add_grads(projected.gathered.params, bp.contributed)
+            clock.mark("backprop")
+            if not stepped_grads_finite(projected, bp):
+                return False
+            adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, adam_step.global_step)
+            clock.mark("adam")
+        finally:
+            cache.unpin(keys)
+    return True
+
+
+def _render_owned(owned: dict[int, Splats2D], cameras: list[Camera], cam_rank: list[int], images: dict[int, Tensor],
+                  exchange: Exchange, background: Tensor, backend: str, stats: StepStats, absgrad: bool,
+                  ssim_lambda: float, clock: _Clock) -> tuple[Rendered, dict[int, Back]]:
+    """The middle of a step, the same whether its blocks were paged at once or in waves: the
+    owners' splats to where their cameras are rendered, the rasterization and losses, and the
+    splat gradients back to their owners."""
+    routed = route_splats(owned, cam_rank, exchange, len(cameras))
+    clock.mark("exchange")
+    rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
+                                  absgrad, ssim_lambda)
+    clock.mark("render")
+    back = return_grads(routed, rendered, exchange, absgrad)
+    clock.mark("exchange")
+    return rendered, back
+
+
+def _record_losses(stats: StepStats, rendered: Rendered) -> None:
+    if rendered.losses:
+        stats.loss = float(torch.stack(rendered.losses).mean())
+        stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))
 
 
 def train_step(
@@ -377,9 +524,14 @@ def train_step(
     visible: list[list[str]] | None = None,  # per camera: its blocks after occlusion culling (None: its frustum's)
     ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
     regularizers: Regularizers = Regularizers(),  # the opacity and scale regularisers (none by default)
+    waves: list[list[str]] | None = None,  # `train.waves.plan_waves` of the step's blocks: None when they fit at once
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
+    if waves is not None:
+        return _train_step_in_waves(waves, visible if visible is not None else [region.visible(c) for c in cameras],
+                                    cameras, cam_rank, images, cache, exchange, sh_degree, lrs, adam, background,
+                                    backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock)
     paged = page_in(cameras, region, cache, visible)
     try:
         stats.blocks = len(paged.keys)
@@ -390,18 +542,13 @@ def train_step(
         projected = project_owned_batch(paged, cameras, sh_degree, backend)
         stats.projected = sum(len(s) for s in projected.owned.values())
         clock.mark("project")
-        routed = route_splats(projected, cam_rank, exchange, len(cameras))
-        clock.mark("exchange")
-        rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
-                                      absgrad, ssim_lambda)
-        clock.mark("render")
-        back = return_grads(routed, rendered, exchange, absgrad)
-        clock.mark("exchange")
+        rendered, back = _render_owned(projected.owned, cameras, cam_rank, images, exchange, background, backend,
+                                       stats, absgrad, ssim_lambda, clock)
         bp = backprop_owned(projected, back, adam_step.mode)
         # before the NaN vote: a scale that overflows exp() makes the step's update non-finite
         regularizers.add_grads(projected.gathered.params, bp.contributed)
         clock.mark("backprop")
-        finite = all_stepped_finite(projected, rendered, bp)
+        finite = losses_finite(rendered) and stepped_grads_finite(projected, bp)
         clock.mark("adam")
         skip = exchange.any(not finite)
         clock.mark("exchange")
@@ -409,13 +556,34 @@ def train_step(
             stats.skipped = True
             return stats
         adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, adam_step.global_step)
-        if rendered.losses:
-            stats.loss = float(torch.stack(rendered.losses).mean())
-            stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))
+        _record_losses(stats, rendered)
         clock.mark("adam")
         return stats
     finally:
         cache.unpin(paged.keys)
+
+
+def _train_step_in_waves(waves, visible, cameras, cam_rank, images, cache, exchange, sh_degree, lrs, adam, background,
+                         backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock) -> StepStats:
+    """`train_step` for a view larger than the cache (its arguments): project in waves, rasterize
+    and vote as one batch would, then step in waves."""
+    lazy = adam_step.lazy
+    prepare = None if lazy is None else (lambda k: catch_up_block(lazy, cache, k, adam_step.number - 1))
+    fwd = project_waves(waves, visible, cameras, cache, sh_degree, backend, prepare, clock)
+    stats.blocks, stats.waves = sum(map(len, waves)), len(waves)
+    stats.projected = sum(len(s) for s in fwd.owned.values())
+    rendered, back = _render_owned(fwd.owned, cameras, cam_rank, images, exchange, background, backend, stats,
+                                   absgrad, ssim_lambda, clock)
+    finite = losses_finite(rendered) and splat_grads_finite(back, adam_step.mode)
+    skip = exchange.any(not finite)
+    clock.mark("exchange")
+    if skip or not step_waves(fwd, back, cameras, cache, sh_degree, backend, adam_step, regularizers, lrs, adam,
+                              stats, clock, perturb):
+        stats.skipped = True
+        return stats
+    stats.extents = {k: stats.extents[k] for wave in waves for k in wave if k in stats.extents}  # Morton order
+    _record_losses(stats, rendered)
+    return stats
 @torch.no_grad()
 def render_cameras(
     cameras: list[Camera],
@@ -434,15 +602,9 @@ def render_cameras(
     out: dict[int, RasterOutput] = {}
     for i, cam in enumerate(cameras):
         keys = visible[i]
-        cache.pin(keys)
-        try:
-            for k in keys if prepare is not None else ():
-                prepare(k)
-            blocks = {k: cache.get(k).tensors for k in keys}
-            g = gather(blocks, keys, requires_grad=False)
-            owned = project_owned(g, [keys], [cam], sh_degree, backend).splats
-        finally:
-            cache.unpin(keys)
+        # a view larger than the cache is projected in waves, as in training
+        owned = project_waves(plan_waves(keys, [keys], cache) or [keys], [keys], [cam], cache, sh_degree, backend,
+                              prepare).owned
         mine = {i: owned[0]} if 0 in owned else {}
         outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
         incoming = exchange.send_splats(outgoing, n_cams)

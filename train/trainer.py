@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
 from train.schedule import Schedule
 from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
+from train.waves import plan_waves
 
 
 class TrainError(RuntimeError):
@@ -219,13 +221,15 @@ class Trainer:
     def cameras_of(self, step: int) -> list[Camera]:
         return [self.scene.train[i] for i in self.schedule.cameras(step)]
 
-    def plan(self, step: int) -> None:
+    def plan(self, step: int, prefetch: bool = True) -> None:
         """Assign step's cameras (a collective: every rank plans the same steps in the same order),
-        then start loading this rank's images and blocks for it."""
+        then start loading this rank's images and (with `prefetch`) blocks for it."""
         cams, region = self.cameras_of(step), self.region
         self.plans[step] = assign_step(cams, region, self.exchange, self.cfg.batch_size)
         self.pending[step] = {i: self.images.submit(self.scene.data.load_image, cams[i])
                               for i, r in enumerate(self.plans[step]) if r == self.rank}
+        if not prefetch:
+            return
         self.cache.prefetch(self._prefetch_keys(cams))
         if step + 1 < self.end and not self.densifier.due(step):
             # and, where the budget allows, the step after: a move starts paging early
@@ -247,12 +251,15 @@ class Trainer:
         visible, culled = self._cull(cams, step)
         if visible is None:  # culled once here, for the pin below and for the step's paging
             visible = [self.region.visible(c) for c in cams]
-        # This step's blocks are pinned first, so the next step's prefetch evicts others.
+        # This step's blocks are pinned first, so the next step's prefetch evicts others; a view
+        # larger than the cache pages them in waves, and the next step's blocks would only be evicted again.
         needed = self.region.union(visible)
-        self.cache.pin(needed)
+        waves = plan_waves(needed, visible, self.cache)
+        pinned = needed if waves is None else []
+        self.cache.pin(pinned)
         try:
             if step + 1 < self.end and not self.densifier.due(step):
-                self.plan(step + 1)
+                self.plan(step + 1, prefetch=waves is None)
             lrs = learning_rates(self.adam, step, self.cfg.steps, self.scene.scene_scale)
             degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
             perturb = self.densifier.perturb(
@@ -263,9 +270,9 @@ class Trainer:
                                absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
                                visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
                                regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
-                                                         _num_gaussians(self.store)))
+                                                         _num_gaussians(self.store)), waves=waves)
         finally:
-            self.cache.unpin(needed)
+            self.cache.unpin(pinned)
         if culled is not None:
             stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
@@ -412,7 +419,8 @@ class Trainer:
             self.bar.write(f"step {step}: non-finite loss or gradient, step skipped (nothing written)")
         if step % cfg.log_every == 0 or step == self.end:
             self.log.write("train", step, loss=stats.loss, psnr=stats.psnr, gaussians=gaussians,
-                           owned=int(self.region.counts.sum()), blocks=stats.blocks, projected=stats.projected,
+                           owned=int(self.region.counts.sum()), blocks=stats.blocks, waves=stats.waves,
+                           projected=stats.projected,
                            local=stats.local, received=stats.received, contributed=stats.contributed,
                            seconds=seconds, imbalance=imbalance, imbalance_seconds=imbalance_seconds,
                            **{f"t_{phase}": round(t, 5) for phase, t in stats.timings.items()},
@@ -488,9 +496,11 @@ def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[fl
 
 
 def _cache_fields(cache: BlockCache) -> dict:
+    """The cache's counters since the run started, and the process's peak RSS so far."""
     s = cache.stats
-    return {"cache_hit_rate": round(s.hit_rate, 4), "io_wait_s": round(s.io_wait_s, 3),
-            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written}
+    return {"cache_hit_rate": round(s.hit_rate, 4), "io_wait_s": round(s.io_wait_s, 3), "io_s": round(s.io_s, 3),
+            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 def _num_gaussians(store: Store) -> int:

@@ -1,0 +1,51 @@
+"""Views larger than the cache (docs/architecture.md §6b): which blocks a step pages together.
+
+A rank whose step sees more of its blocks than its cache holds runs the step in waves
+(`train.step.train_step` with `waves`): contiguous Morton ranges of the step's blocks, each
+paged, projected into every camera and released, so that only the 2D splats stay; after the
+rasterization the waves are paged again to backpropagate and step Adam. A wave takes at most
+half the budget where the largest block allows it, so the next wave loads while one is worked on.
+
+The 2D splats are held beside the cache for the whole step, so the budget bounds them too: a
+view whose splats alone do not fit is refused before any work, whatever the waves.
+"""
+from __future__ import annotations
+
+from storage import CacheBudgetError
+from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
+
+# What one 2D splat costs its owner while a step in waves runs: its fields (the wire's 12
+# float32) and row id, then the gradient it gets back (9 float32) and its contributed flag.
+SPLAT_STEP_BYTES = 4 * (WIRE_FLOATS + GRAD_FLOATS) + 8 + 1
+
+
+def split_waves(sizes: list[int], budget: int) -> list[tuple[int, int]]:  # [(start, stop)] of sizes
+    """Consecutive runs of `sizes` of at most `budget` each, half of it if every size allows
+    (a size over the budget makes a run of its own: the cache refuses it with its own error)."""
+    cap = budget // 2 if max(sizes, default=0) <= budget // 2 else budget
+    runs, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > cap:
+            runs.append((start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
+
+
+def plan_waves(keys: list[str], visible: list[list[str]], cache) -> list[list[str]] | None:
+    """The step's blocks `keys` (Morton order) in waves, or None when they fit the cache at once.
+    `visible`: each camera's blocks, which bound the 2D splats the step holds. Raises
+    storage.CacheBudgetError when those splats alone exceed the budget."""
+    rows = {k: cache.block_rows(k) for k in keys}
+    sizes = [rows[k] * cache.row_bytes for k in keys]
+    if sum(sizes) <= cache.budget:
+        return None
+    splats = sum(rows[k] for v in visible for k in v)
+    if splats * SPLAT_STEP_BYTES > cache.budget:
+        raise CacheBudgetError(
+            f"cache of store {cache.store.name}: the step's cameras see {splats} Gaussians of this rank's "
+            f"blocks, whose 2D splats need up to {splats * SPLAT_STEP_BYTES} B ({SPLAT_STEP_BYTES} B each) "
+            f"while the step runs, more than the budget of {cache.budget} B: the view does not fit even in waves")
+    return [keys[a:b] for a, b in split_waves(sizes, cache.budget)]
