@@ -33,7 +33,7 @@ from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.stats import accumulate_stats, empty_stats
-from train.waves import plan_waves
+from train.waves import check_splats, plan_waves
 
 
 @dataclass
@@ -414,6 +414,8 @@ def project_waves(
             cache.unpin(keys)
         fwd.visible.append(vis)
         fwd.counts.append({i: len(p) for i, p in splats.items()})
+        if len(waves) > 1:
+            check_splats(sum(sum(c.values()) for c in fwd.counts), cache)
         for i, p in splats.items():
             p.ids = p.ids + row0
             parts.setdefault(i, []).append(p)
@@ -603,8 +605,7 @@ def render_cameras(
     for i, cam in enumerate(cameras):
         keys = visible[i]
         # a view larger than the cache is projected in waves, as in training
-        owned = project_waves(plan_waves(keys, [keys], cache) or [keys], [keys], [cam], cache, sh_degree, backend,
-                              prepare).owned
+        owned = project_waves(plan_waves(keys, cache) or [keys], [keys], [cam], cache, sh_degree, backend, prepare).owned
         mine = {i: owned[0]} if 0 in owned else {}
         outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
         incoming = exchange.send_splats(outgoing, n_cams)

@@ -254,7 +254,7 @@ class Trainer:
         # This step's blocks are pinned first, so the next step's prefetch evicts others; a view
         # larger than the cache pages them in waves, and the next step's blocks would only be evicted again.
         needed = self.region.union(visible)
-        waves = plan_waves(needed, visible, self.cache)
+        waves = plan_waves(needed, self.cache)
         pinned = needed if waves is None else []
         self.cache.pin(pinned)
         try:

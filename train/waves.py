@@ -7,7 +7,8 @@ rasterization the waves are paged again to backpropagate and step Adam. A wave t
 half the budget where the largest block allows it, so the next wave loads while one is worked on.
 
 The 2D splats are held beside the cache for the whole step, so the budget bounds them too: a
-view whose splats alone do not fit is refused before any work, whatever the waves.
+view whose splats alone do not fit is refused while its first pass projects, before anything of
+the step is stepped or written.
 """
 from __future__ import annotations
 
@@ -34,18 +35,18 @@ def split_waves(sizes: list[int], budget: int) -> list[tuple[int, int]]:  # [(st
     return runs
 
 
-def plan_waves(keys: list[str], visible: list[list[str]], cache) -> list[list[str]] | None:
-    """The step's blocks `keys` (Morton order) in waves, or None when they fit the cache at once.
-    `visible`: each camera's blocks, which bound the 2D splats the step holds. Raises
-    storage.CacheBudgetError when those splats alone exceed the budget."""
-    rows = {k: cache.block_rows(k) for k in keys}
-    sizes = [rows[k] * cache.row_bytes for k in keys]
+def plan_waves(keys: list[str], cache) -> list[list[str]] | None:
+    """The step's blocks `keys` (Morton order) in waves, or None when they fit the cache at once."""
+    sizes = [cache.block_rows(k) * cache.row_bytes for k in keys]
     if sum(sizes) <= cache.budget:
         return None
-    splats = sum(rows[k] for v in visible for k in v)
-    if splats * SPLAT_STEP_BYTES > cache.budget:
-        raise CacheBudgetError(
-            f"cache of store {cache.store.name}: the step's cameras see {splats} Gaussians of this rank's "
-            f"blocks, whose 2D splats need up to {splats * SPLAT_STEP_BYTES} B ({SPLAT_STEP_BYTES} B each) "
-            f"while the step runs, more than the budget of {cache.budget} B: the view does not fit even in waves")
     return [keys[a:b] for a, b in split_waves(sizes, cache.budget)]
+
+
+def check_splats(held: int, cache) -> None:
+    """Raise storage.CacheBudgetError when the `held` 2D splats of a step in waves exceed the budget."""
+    if held * SPLAT_STEP_BYTES > cache.budget:
+        raise CacheBudgetError(
+            f"cache of store {cache.store.name}: the step's view gives {held} or more 2D splats of this rank's "
+            f"blocks, which need {held * SPLAT_STEP_BYTES} B ({SPLAT_STEP_BYTES} B each) while the step runs, "
+            f"more than the budget of {cache.budget} B: the view does not fit even in waves")
