@@ -500,10 +500,13 @@ class BlockCache:
             self._wait(self._writes[block.key].future)
             self._harvest_writes()
         block.dirty = False
-        reserved = block.nbytes if evicted else 0
+        # Taken before the submit: the write of an evicted block empties its tensors, maybe before
+        # submit returns (a write-back's bytes were counted as 0 on a loaded machine).
+        nbytes = block.nbytes
+        reserved = nbytes if evicted else 0
         tier.reserved += reserved
         self._writes[block.key] = _InFlight(self._pool.submit(self._write, block, evicted), reserved, tier, block=block,
-                                            nbytes=block.nbytes)
+                                            nbytes=nbytes)
 
     def _take_from_writebacks(self, tier: _Tier, shortfall: int) -> list[Future] | None:
         """Move `shortfall` reserved bytes from in-flight eviction write-backs of `tier` to a

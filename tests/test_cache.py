@@ -91,6 +91,31 @@ def test_dirty_blocks_are_written_back_on_eviction_and_flush(tmp_path: Path) -> 
     cache.close()
 
 
+def test_a_write_back_that_lands_before_submit_returns_counts_its_bytes(tmp_path: Path) -> None:
+    """What a loaded machine does at random: the worker finishes an eviction's write (emptying the
+    block's tensors) before the caller's submit returns. A pool that runs every task at once
+    makes it happen every time (the write-back's bytes were then counted as 0)."""
+    from concurrent.futures import Future
+
+    store, _ = make_store(tmp_path / "s.zarr", [400, 400, 400])
+    cache = BlockCache(store, 800 * ROW)
+
+    def at_once(fn, *args):  # type: ignore[no-untyped-def]
+        future: Future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    cache._pool.submit = at_once  # type: ignore[method-assign]
+    cache.get("2-0").tensors["means"] += 1.0
+    cache.mark_dirty("2-0")
+    cache.get("2-1")
+    cache.get("2-2")  # evicts 2-0: written at once
+    cache.get("2-1")  # accounts for the finished write
+    assert cache.stats.writebacks == 1 and cache.stats.bytes_written == 400 * ROW
+    assert cache.nbytes() == 800 * ROW  # and its reserved bytes were let go exactly
+    cache.close()
+
+
 def test_prefetch_loads_in_the_background_and_gets_hit(tmp_path: Path) -> None:
     store, data = make_store(tmp_path / "s.zarr", [300, 300, 300])
     entered, release = threading.Event(), threading.Event()

@@ -80,3 +80,27 @@ def test_public_host_warns_and_ctrl_c_stops(lund_store: Path) -> None:
     assert proc.returncode == 0, err
     assert err.startswith("warning: --host 0.0.0.0: the scene is now reachable from the network"), err
     assert "Traceback" not in err
+
+
+def test_a_ctrl_c_right_after_the_banner_stops_cleanly(lund_store: Path, monkeypatch) -> None:
+    """The Ctrl-C lands as the viewer has just printed "serving" (on a loaded machine the test
+    above once hung there: the signal raised before the handler was in place and outside the
+    viewer's close, and viser's threads kept the process alive). Here it lands every time."""
+    from tools.view import app, gui
+    from tools.view.config import ViewConfig
+
+    closed = []
+
+    class Interrupted(gui.Viewer):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        def close(self) -> None:
+            super().close()
+            closed.append(True)
+
+    monkeypatch.setattr(gui, "Viewer", Interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    app.serve(ViewConfig(store=str(lund_store), port=free_port()))  # returns: no KeyboardInterrupt
+    assert closed == [True] and signal.getsignal(signal.SIGINT) is before

@@ -33,16 +33,19 @@ def serve(cfg: ViewConfig) -> None:
         print(f"warning: --host {cfg.host}: the scene is now reachable from the network, by anyone who can "
               f"reach port {cfg.port} of this machine", file=sys.stderr, flush=True)
     store = open_store(cfg.store)
+    stop = threading.Event()
+    # Both signals end the viewer cleanly (one started in the background inherits an ignored
+    # SIGINT), from before its banner: a Ctrl-C just after "serving" used to raise outside the
+    # viewer's close, and viser's threads then kept the process alive.
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    viewer = None
     try:
         data: DatasetCameras | None = dataset_cameras(cfg.data, cfg.store, store) if cfg.data else None
         viewer = Viewer(cfg, store, data)
-        stop = threading.Event()
-        try:
-            # A viewer started in the background inherits an ignored SIGINT; both signals end it cleanly.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
-            viewer.run(stop)
-        finally:
-            viewer.close()
+        viewer.run(stop)
     finally:
+        if viewer is not None:
+            viewer.close()
         store.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
