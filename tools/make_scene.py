@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    "this many, growing in city blocks (default: wall and object 30000, city 2 x 2 blocks, "
                    "about 126000)")
     p.add_argument("--sh-degree", type=int, default=SceneConfig.sh_degree, help="SH degree of the ground truth")
+    p.add_argument("--point-fraction", type=float, default=SceneConfig.point_fraction,
+                   help="share of the ground-truth means that become the initial point cloud")
     p.add_argument("--wall-length", type=float, default=SceneConfig.wall_length,
                    help="wall: length in metres; each camera sees about 7 m of it")
     p.add_argument("--work", type=Path, help="city: folder for the ground-truth store and scratch files "
@@ -61,6 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=SceneConfig.cache_mb,
                    help="city: block cache for rendering the images by paging the ground-truth store")
     p.add_argument("--aerial", type=float, default=SceneConfig.aerial, help="city: share of aerial cameras")
+    p.add_argument("--capture", choices=("street", "survey"), default=SceneConfig.capture,
+                   help="city: street cameras plus the --aerial share, or a drone's double-grid oblique survey "
+                   "whose images each see a bounded patch of the city (its camera count follows from the city's "
+                   "size, --altitude and --overlap)")
+    p.add_argument("--altitude", type=float, default=SceneConfig.altitude, help="city survey: flying height (m)")
+    p.add_argument("--pitch", type=float, default=SceneConfig.pitch,
+                   help="city survey: camera pitch in degrees, negative is down; the image's top must look below "
+                   "the horizon")
+    p.add_argument("--overlap", type=float, default=SceneConfig.overlap,
+                   help="city survey: overlap of neighbouring images, along and across the flight lines")
     p.add_argument("--block-gaussians", type=int, default=SceneConfig.block_gaussians,
                    help="city: expected Gaussians per generation tile (what one tile holds in memory)")
     p.add_argument("--overwrite", action="store_true", help="replace a scene already at OUT")
@@ -72,8 +84,9 @@ def scene_request(argv: list[str] | None = None) -> tuple[str, Path, SceneConfig
     exit 1 for bad flags)."""
     a = _parser().parse_args(argv)
     cfg = SceneConfig(seed=a.seed, width=a.width, height=a.height, cameras=a.cameras, gaussians=a.gaussians,
-                      sh_degree=a.sh_degree, wall_length=a.wall_length, overwrite=a.overwrite, work=a.work,
-                      clean=a.clean, cache_mb=a.cache_mb, aerial=a.aerial, block_gaussians=a.block_gaussians)
+                      sh_degree=a.sh_degree, point_fraction=a.point_fraction, wall_length=a.wall_length, overwrite=a.overwrite, work=a.work,
+                      clean=a.clean, cache_mb=a.cache_mb, aerial=a.aerial, block_gaussians=a.block_gaussians,
+                      capture=a.capture, altitude=a.altitude, pitch=a.pitch, overlap=a.overlap)
     return a.kind, a.out, cfg
 
 

@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", type=_fractions, default="1,0.25,0.0625",
                    help="sizes of the cities to run, as shares of --gaussians")
     p.add_argument("--cameras", type=int, default=64, help="cameras of the largest city (scaled with its share)")
+    p.add_argument("--capture", choices=("street", "survey"), default="street",
+                   help="the city's cameras (`tools.make_scene --capture`): a survey's images each see a bounded "
+                   "patch, so its camera count grows with the city and --cameras is not used")
+    p.add_argument("--altitude", type=float, default=120.0, help="survey: flying height (m)")
+    p.add_argument("--overlap", type=float, default=0.6, help="survey: overlap of neighbouring images")
+    p.add_argument("--point-fraction", type=float, default=0.4,
+                   help="share of the ground truth in the point cloud the store is tiled from")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks")
     p.add_argument("--cache-mb", type=float, default=1500.0, help="each rank's block cache")
     p.add_argument("--steps", type=int, default=300, help="training steps")
@@ -98,8 +105,11 @@ def main(argv: list[str]) -> int:
             try:
                 data = work / f"city-{n:g}"
                 if not (data / "transforms.json").is_file():
-                    run_child(python_module("tools.make_scene", "city", data, "--gaussians", f"{n:g}", "--cameras",
-                                            str(cams), "--sh-degree", "3", "--overwrite", "--clean"),
+                    capture = (["--capture", "survey", "--altitude", f"{a.altitude:g}", "--overlap", f"{a.overlap:g}"]
+                               if a.capture == "survey" else ["--cameras", str(cams)])
+                    run_child(python_module("tools.make_scene", "city", data, "--gaussians", f"{n:g}", *capture,
+                                            "--point-fraction", f"{a.point_fraction:g}", "--sh-degree", "3",
+                                            "--overwrite", "--clean"),
                               f"tools.make_scene city {n:g}")
                 store = tile(data, work / f"city-{n:g}.zarr", a.max_per_block, "--sh-degree", "3")
                 size = store_size(store)

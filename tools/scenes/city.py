@@ -38,6 +38,8 @@ _PAD = 1.0  # the root cube reaches this far beyond the city (m), so nothing lie
 # city, so what one view holds (the renderer keeps all its 2D splats) stops growing with the city.
 _AERIAL_HEIGHT = (40.0, 80.0)
 _AERIAL_PITCH = (-65.0, -40.0)
+CAPTURES = ("street", "survey")
+_SURVEY_HORIZON_MARGIN = 5.0  # degrees between a survey image's top ray and the horizon, at least
 _STREAM_LAYOUT, _STREAM_CAMERAS, _STREAM_TILE, _STREAM_TREE = 0, 1, 2, 3  # random streams of a seed
 
 
@@ -64,6 +66,12 @@ class CityConfig:
         looks along the street (yaw jittered uniformly by +- yaw_jitter degrees) with a pitch drawn
         from pitch (degrees, positive is up).
     aerial_cameras: how many cameras look down on the city from 40-80 m (pitch -65..-40 degrees).
+    capture: "street" (the street and aerial cameras above) or "survey": a drone's oblique survey
+        (`survey_cameras`), flight lines over the whole city at survey_altitude metres, the camera
+        pitched survey_pitch degrees (negative is down) along its line, neighbouring images
+        overlapping by survey_overlap along and across the lines. Its top ray stays below the
+        horizon, so each image sees a bounded patch of ground however large the city grows; the
+        camera count follows from the city's size (`cameras` and `aerial_cameras` are ignored).
     width / height / fov_x: pinhole image size (pixels) and horizontal field of view (degrees),
         principal point at the image centre.
     sh_degree / view_dependence: SH degree of the Gaussians and the standard deviation of their
@@ -96,6 +104,10 @@ class CityConfig:
     view_dependence: float = 0.0
     tile_gaussians: int = 32768
     seed: int = 0
+    capture: str = "street"
+    survey_altitude: float = 120.0
+    survey_pitch: float = -60.0
+    survey_overlap: float = 0.6
 
     def __post_init__(self) -> None:
         positive = ("blocks", "block_size", "street_width", "max_parcels", "density", "tree_spacing",
@@ -120,9 +132,31 @@ class CityConfig:
             raise CityError(f"city config: fov_x must be in (0, 180) degrees, got {self.fov_x}")
         if not (-90 < self.pitch[0] and self.pitch[1] < 90):
             raise CityError(f"city config: pitch must lie in (-90, 90) degrees, got {self.pitch}")
+        if self.capture not in CAPTURES:
+            raise CityError(f"city config: capture must be one of {', '.join(CAPTURES)}, got {self.capture!r}")
+        if self.capture == "survey":
+            self._check_survey()
         if not 0 <= self.sh_degree <= 3 or self.view_dependence < 0:
             raise CityError(f"city config: sh_degree must be in 0..3 and view_dependence non-negative, "
                             f"got {self.sh_degree}, {self.view_dependence}")
+
+    def _check_survey(self) -> None:
+        if not self.survey_altitude > self.building_height[1]:
+            raise CityError(f"city config: survey_altitude {self.survey_altitude:g} m must clear the tallest "
+                            f"buildings ({self.building_height[1]:g} m)")
+        if not 0 <= self.survey_overlap < 1:
+            raise CityError(f"city config: survey_overlap must be in [0, 1), got {self.survey_overlap}")
+        # The image's top row must look below the horizon, or a view holds the city up to its edge.
+        top = -self.survey_pitch - np.degrees(self.vfov) / 2
+        if not (-90 < self.survey_pitch < 0 and top >= _SURVEY_HORIZON_MARGIN):
+            raise CityError(f"city config: survey_pitch {self.survey_pitch:g} degrees puts the top of a "
+                            f"{np.degrees(self.vfov):.1f}-degree-high image {top:.1f} degrees below the horizon; "
+                            f"it must be at least {_SURVEY_HORIZON_MARGIN:g} (pitch further down, at most "
+                            f"{-np.degrees(self.vfov) / 2 - _SURVEY_HORIZON_MARGIN:.1f})")
+
+    @property
+    def vfov(self) -> float:  # vertical field of view (radians) of the pinhole with fov_x
+        return 2 * np.arctan(np.tan(np.radians(self.fov_x) / 2) * self.height / self.width)
 
     @property
     def grid_step(self) -> float:  # distance between parallel street centre lines
@@ -488,6 +522,62 @@ def aerial_cameras(cfg: CityConfig, rng: np.random.Generator, n: int) -> list[Ca
     return heading_cameras(eye, yaw, pitch, cfg.width, cfg.height, cfg.fov_x)
 
 
+@dataclass(frozen=True)
+class SurveyFootprint:
+    """Where a survey image's centre column meets the ground, in metres ahead of the camera, and its
+    width there; the spacing of the flight lines and of the shots along them."""
+
+    near: float
+    far: float
+    width: float
+    along_step: float  # between shots along a line
+    across_step: float  # between lines
+
+    @property
+    def centre(self) -> float:  # the footprint's middle, ahead of the camera
+        return (self.near + self.far) / 2
+
+
+def survey_footprint(cfg: CityConfig) -> SurveyFootprint:
+    """The ground a survey image covers and the spacing that gives cfg.survey_overlap between neighbours."""
+    h, down, half_v = cfg.survey_altitude, np.radians(-cfg.survey_pitch), cfg.vfov / 2
+    near, far = h / np.tan(down + half_v), h / np.tan(down - half_v)  # negative near: behind the camera
+    width = 2 * h / np.sin(down) * np.tan(np.radians(cfg.fov_x) / 2)
+    keep = 1.0 - cfg.survey_overlap
+    return SurveyFootprint(float(near), float(far), float(width), float(keep * (far - near)), float(keep * width))
+
+
+def _stations(extent: float, step: float) -> np.ndarray:  # -> [n] at most step apart, centred on [0, extent]
+    # The first and last lie half a step inside the edges: their footprints, wider than a step, reach
+    # past the edges without looking mostly beyond them.
+    n = max(1, int(np.ceil(extent / step)))
+    return (np.arange(n) + 0.5) * (extent / n)
+
+
+def survey_cameras(cfg: CityConfig) -> list[Camera]:
+    """A double-grid oblique survey in flight order: lines along x, flown back and forth (each camera
+    looks along its line, so neighbouring lines look opposite ways), then lines along y. The
+    footprints' middles cover the whole city; the order is the walk `holdout_slots` names by."""
+    fp = survey_footprint(cfg)
+    along, across = _stations(cfg.extent, fp.along_step), _stations(cfg.extent, fp.across_step)
+    eyes, yaws = [], []
+    for axis in (0, 1):
+        for line, c in enumerate(across):
+            sign = 1.0 if line % 2 == 0 else -1.0
+            a = along if sign > 0 else along[::-1]
+            target = np.zeros((len(a), 2))
+            target[:, axis], target[:, 1 - axis] = a, c
+            heading = np.zeros(2)
+            heading[axis] = sign
+            eyes.append(target - fp.centre * heading)
+            yaws.append(np.full(len(a), np.arctan2(heading[1], heading[0])))
+    xy, yaw = np.concatenate(eyes), np.concatenate(yaws)
+    eye = np.column_stack([xy, np.full(len(xy), cfg.survey_altitude)])
+    pitch = np.full(len(xy), np.radians(cfg.survey_pitch))
+    cams = heading_cameras(eye, yaw, pitch, cfg.width, cfg.height, cfg.fov_x)
+    return [replace(c, image_id=i, name=f"survey_{i:04d}") for i, c in enumerate(cams)]
+
+
 def city_cameras(cfg: CityConfig, street: int | None = None, aerial: int | None = None) -> list[Camera]:
     """Street cameras then aerial ones (cfg's counts by default), named street_NNNN and aerial_NNNN."""
     rng = np.random.default_rng([cfg.seed, _STREAM_CAMERAS])
@@ -509,5 +599,6 @@ def generate_city(cfg: CityConfig | None = None) -> City:
         config=cfg, means=cat["means"], scales=cat["scales"], quats=cat["quats"], opacities=cat["opacities"],
         colors=np.concatenate([t.colors for t in tiles]), kind=np.concatenate([t.kind for t in tiles]),
         part=np.concatenate([t.part for t in tiles]), buildings=layout.buildings, trees=layout.trees,
-        cars=layout.cars, cameras=city_cameras(cfg), sh0=cat["sh0"], shN=cat["shN"],
+        cars=layout.cars, cameras=survey_cameras(cfg) if cfg.capture == "survey" else city_cameras(cfg),
+        sh0=cat["sh0"], shN=cat["shN"],
     )

@@ -36,7 +36,8 @@ from storage import Store, StoreError
 from storage.cache import param_bytes_per_gaussian
 from storage.schema import empty_state
 from tools.scenes.cameras import COVERAGE_CELLS, best_covered, coverage_cells, holdout_slots, tour
-from tools.scenes.city import CityConfig, CityError, CityLayout, city_cameras, city_layout, city_tiles, sized
+from tools.scenes.city import (CityConfig, CityError, CityLayout, city_cameras, city_layout, city_tiles, sized,
+                               survey_cameras)
 from tools.scenes.config import SceneConfig, SceneError
 from tools.scenes.files import (POINTS, SCENE_JSON, PointSpool, check_output, partial_dir, replace_dir,
                                 save_png, write_transforms)
@@ -71,6 +72,9 @@ def city_config(cfg: SceneConfig) -> CityConfig:
     base = CityConfig(blocks=_MIN_BLOCKS, width=cfg.width, height=cfg.height, seed=cfg.seed, sh_degree=cfg.sh_degree,
                       view_dependence=cfg.view_dependence, tile_gaussians=cfg.block_gaussians, cameras=1)
     city = base if cfg.gaussians is None else sized(base, cfg.gaussians, _MIN_BLOCKS)
+    if cfg.capture == "survey":
+        return replace(city, capture="survey", survey_altitude=cfg.altitude, survey_pitch=cfg.pitch,
+                       survey_overlap=cfg.overlap)
     aerial = int(round(cfg.aerial * cfg.cameras))
     return replace(city, cameras=cfg.cameras - aerial, aerial_cameras=aerial)
 
@@ -80,13 +84,17 @@ def needed_bytes(cfg: SceneConfig) -> tuple[int, int]:
     n = _COUNT_MARGIN * (cfg.gaussians or 130_000)
     store = n * (param_bytes_per_gaussian(cfg.sh_degree) + _STORE_SLACK_BYTES)
     points = n * cfg.point_fraction * 15  # x y z float32, r g b uint8
-    images = cfg.cameras * cfg.width * cfg.height * 3  # PNG never grows beyond raw RGB by much
+    cameras = cfg.cameras or len(survey_cameras(city_config(cfg)))
+    images = cameras * cfg.width * cfg.height * 3  # PNG never grows beyond raw RGB by much
     return int(store + points), int(images + points + 2**20)
 
 
 def check_disk(cfg: SceneConfig, work: Path, out: Path) -> None:
     """Refuse, before any work, a dataset the disks cannot hold (work and OUT may share one)."""
-    in_work, in_out = needed_bytes(cfg)
+    try:
+        in_work, in_out = needed_bytes(cfg)
+    except CityError as e:
+        raise SceneError(str(e)) from None
     need: dict[int, list] = {}
     for path, nbytes in ((work, in_work), (out.parent, in_out)):
         place = _existing(path)
@@ -135,7 +143,8 @@ def make_city(out: Path, cfg: SceneConfig) -> CityDataset:
     try:
         work.mkdir(parents=True, exist_ok=True)
         (partial / "images").mkdir(parents=True)
-        candidates = city_cameras(city, 2 * city.cameras, 2 * city.aerial_cameras)
+        survey = city.capture == "survey"
+        candidates = survey_cameras(city) if survey else city_cameras(city, 2 * city.cameras, 2 * city.aerial_cameras)
         spool = PointSpool(work / f".{out.name}.points-{os.getpid()}")
         start = time.perf_counter()
         try:
@@ -144,7 +153,8 @@ def make_city(out: Path, cfg: SceneConfig) -> CityDataset:
         finally:
             spool.close()
             spool.scratch.unlink(missing_ok=True)
-        cameras = _chosen(candidates, written.coverage, city, cfg.test_every)
+        cameras = _named(candidates, cfg.test_every) if survey else _chosen(candidates, written.coverage, city,
+                                                                           cfg.test_every)
         generated, rss = time.perf_counter(), {"ground_truth": _peak_rss()}
         visible = _render(tmp_store, cameras, cfg, written.gaussians, partial)
         seconds = {"ground_truth": generated - start, "images": time.perf_counter() - generated}
@@ -243,7 +253,11 @@ def _chosen(candidates: list[Camera], coverage: np.ndarray, city: CityConfig, te
     for group, n in ((np.flatnonzero(street), city.cameras), (np.flatnonzero(~street), city.aerial_cameras)):
         picked += [candidates[group[i]] for i in best_covered(coverage[group], n, ENOUGH_COVERAGE)]
     order = tour([c.center for c in picked])
-    walked = [picked[i] for i in order]
+    return _named([picked[i] for i in order], test_every)
+
+
+def _named(walked: list[Camera], test_every: int) -> list[Camera]:
+    """Cameras standing in a walk, named so that the held-out ones stand between training ones."""
     slots = holdout_slots(len(walked), test_every)
     return [replace(walked[s], image_id=i, name=f"images/city_{i:04d}.png", extra={"source": walked[s].name})
             for i, s in enumerate(slots)]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from octree.semantics import MAX_SH_DEGREE
+from tools.scenes.city import CAPTURES
 
 KINDS = ("wall", "city", "object")
 
@@ -41,6 +42,11 @@ class SceneConfig:
     aerial: share of the cameras that look down on the city from above instead of standing on a street.
     block_gaussians: expected Gaussians per generation tile (a column of ground-truth blocks); what
         one tile holds in memory.
+    capture: "street" (street cameras plus the `aerial` share) or "survey": a drone's double-grid
+        oblique survey (`tools.scenes.city.survey_cameras`) whose images each see a bounded patch of
+        the city however large it grows; its camera count follows from the city's size, `altitude`
+        (metres), `pitch` (degrees, negative is down) and `overlap` (between neighbouring images),
+        so `cameras` must be left unset.
     """
 
     seed: int = 0
@@ -62,6 +68,10 @@ class SceneConfig:
     cache_mb: float = 256.0
     aerial: float = 0.125
     block_gaussians: int = 32768
+    capture: str = "street"
+    altitude: float = 120.0
+    pitch: float = -60.0
+    overlap: float = 0.6
 
     def __post_init__(self) -> None:
         for name in ("width", "height", "cameras", "gaussians", "block_gaussians"):
@@ -86,6 +96,11 @@ class SceneConfig:
             raise SceneError(f"scene config: cache_mb must be positive, got {self.cache_mb}")
         if not 0.0 <= self.aerial < 1.0:
             raise SceneError(f"scene config: aerial must be in [0, 1), got {self.aerial}")
+        if self.capture not in CAPTURES:
+            raise SceneError(f"scene config: capture must be one of {', '.join(CAPTURES)}, got {self.capture!r}")
+        if self.capture == "survey" and self.cameras is not None:
+            raise SceneError(f"scene config: a survey's camera count follows from the city's size, altitude and "
+                             f"overlap; leave cameras unset (got {self.cameras})")
 
     def resolved(self, kind: str) -> "SceneConfig":
         """This config with the kind's defaults filled in."""
@@ -93,5 +108,8 @@ class SceneConfig:
             raise SceneError(f"unknown scene kind {kind!r} (choose from {', '.join(KINDS)})")
         width, height, cameras, gaussians = {"wall": (160, 120, 24, 30_000), "city": (320, 180, 64, None),
                                              "object": (160, 120, 32, 30_000)}[kind]
+        if kind != "city" and self.capture != "street":
+            raise SceneError(f"scene config: capture {self.capture!r} is the city's; the {kind} has its own cameras")
+        survey = self.capture == "survey"
         return replace(self, width=self.width or width, height=self.height or height,
-                       cameras=self.cameras or cameras, gaussians=self.gaussians or gaussians)
+                       cameras=None if survey else self.cameras or cameras, gaussians=self.gaussians or gaussians)
