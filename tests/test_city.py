@@ -68,6 +68,58 @@ def test_cameras_stand_on_streets_at_eye_height_looking_along_them(small):
     assert (np.abs(np.mod(across, cfg.grid_step) - cfg.street_width / 2) <= 0.3 * cfg.street_width + 1e-9).all()
 
 
+# ---- the survey capture ----
+
+def _in_image(camera, points: np.ndarray) -> np.ndarray:  # [M, 3] -> [M] bool
+    """Points in front of the camera whose pinhole projection lands inside its image."""
+    p = points @ camera.viewmat[:3, :3].T + camera.viewmat[:3, 3]
+    ahead = p[:, 2] > NEAR_PLANE
+    uv = p[:, :2] / np.where(ahead, p[:, 2], 1.0)[:, None] * np.diag(camera.K)[:2] + camera.K[:2, 2]
+    return ahead & (uv >= 0).all(axis=1) & (uv < [camera.width, camera.height]).all(axis=1)
+
+
+@pytest.fixture(scope="module")
+def surveys():
+    return {b: generate_city(CityConfig(blocks=b, density=0.05, width=160, height=90, capture="survey", seed=4))
+            for b in (3, 8)}
+
+
+def test_a_survey_view_sees_a_bounded_patch_however_large_the_city(surveys):
+    small, large = surveys[3], surveys[8]
+    assert len(large) > 5 * len(small)
+    largest = {b: max(int(_in_image(c, city.means.astype(np.float64)).sum()) for c in city.cameras)
+               for b, city in surveys.items()}
+    # The camera count grows with the city's area, the Gaussians of its fullest view do not.
+    assert len(large.cameras) > 5 * len(small.cameras)
+    assert largest[8] < 1.25 * largest[3], largest
+    assert largest[8] < 0.1 * len(large), (largest, len(large))
+
+
+def test_a_survey_flies_over_the_whole_city_at_its_altitude_with_the_horizon_out_of_view(surveys):
+    city = surveys[8]
+    cfg = city.config
+    centres = np.stack([c.center for c in city.cameras])
+    np.testing.assert_allclose(centres[:, 2], cfg.survey_altitude)
+    for cam in city.cameras:  # the rays through the image's top corners point down by the margin at least
+        rays = np.linalg.inv(cam.K) @ np.array([[0.0, cam.width], [0.0, 0.0], [1.0, 1.0]])
+        world = cam.viewmat[:3, :3].T @ rays
+        assert (world[2] / np.linalg.norm(world, axis=0) < -np.sin(np.radians(5.0))).all()
+    # Every ground point of the city lies in images of both passes (lines along x and along y), in
+    # two at least (the footprint is a trapezoid, narrow near the camera: overlap 0.6 between line
+    # centres leaves a few points in one image of a pass).
+    g = np.arange(0.5, cfg.extent, 4.0)
+    ground = np.stack(np.meshgrid(g, g, [0.0], indexing="ij"), -1).reshape(-1, 3)
+    seen = np.stack([_in_image(c, ground) for c in city.cameras])  # [C, M]
+    forward = np.stack([c.viewmat[2, :3] for c in city.cameras])
+    along_x = np.abs(forward[:, 0]) > np.abs(forward[:, 1])
+    assert seen[along_x].sum(0).min() >= 1 and seen[~along_x].sum(0).min() >= 1 and seen.sum(0).min() >= 2
+    assert np.median(seen.sum(0)) >= 2 / (1 - cfg.survey_overlap) ** 2  # both passes' overlap, in the middle
+    # Neighbours in the flight order stand near each other (what naming for hold-out relies on):
+    # a step is a shot's spacing, or a turn onto the next line.
+    steps = np.linalg.norm(np.diff(centres, axis=0), axis=1)
+    assert np.median(steps) < 0.5 * cfg.extent / 3
+
+
 def _box_surface_distance(p: np.ndarray, box: np.ndarray) -> np.ndarray:  # [M, 3], [6] -> [M]
     """Distance from points to the surface of an axis-aligned box, bottom face excluded."""
     lo, hi = box[:3], box[3:]
@@ -116,6 +168,11 @@ def test_gaussians_lie_on_building_surfaces_ground_and_clutter(small):
     ({"building_height": (30.0, 10.0)}, "building_height"),
     ({"pitch": (-5.0, 95.0)}, "pitch"),
     ({"fov_x": 180.0}, "fov_x"),
+    ({"capture": "drone"}, "capture"),
+    ({"capture": "survey", "survey_altitude": 40.0}, "survey_altitude"),  # below the 45 m towers
+    ({"capture": "survey", "survey_overlap": 1.0}, "survey_overlap"),
+    ({"capture": "survey", "survey_pitch": -25.0}, "survey_pitch"),  # the image's top would see the horizon
+    ({"capture": "survey", "survey_pitch": 10.0}, "survey_pitch"),
 ])
 def test_bad_config_names_the_field(change, field):
     with pytest.raises(CityError, match=field):

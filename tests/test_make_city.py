@@ -19,7 +19,7 @@ from storage import Store
 from storage.cache import param_bytes_per_gaussian
 from storage.schema import PARAM_NAMES
 from tools.make_scene import main
-from tools.scenes import SCENE_JSON, CityConfig, SceneConfig, city_cameras, generate_city, make_scene
+from tools.scenes import SCENE_JSON, CityConfig, SceneConfig, city_cameras, generate_city, make_scene, survey_cameras
 from tools.scenes.cameras import best_covered, coverage_cells
 from tools.scenes.city_dataset import ENOUGH_COVERAGE
 from tools.view.render import FrustumRenderer
@@ -202,3 +202,35 @@ def test_existing_output_work_and_clean(tmp_path, capsys):
     assert not (tmp_path / "d.work").exists()
     assert json.loads((tmp_path / "d" / SCENE_JSON).read_text())["ground_truth"] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d", "scratch"]
+
+
+def test_a_survey_dataset_holds_the_flight_in_order_with_held_out_shots_between_training_ones(tmp_path):
+    cfg = SceneConfig(seed=2, gaussians=6000, width=64, height=36, block_gaussians=800, cache_mb=0.25,
+                      capture="survey", altitude=90.0, overlap=0.5)
+    info = make_scene("city", tmp_path / "s", cfg)
+    doc = json.loads((tmp_path / "s" / SCENE_JSON).read_text())
+    city_cfg = CityConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc["city"].items()})
+    assert (city_cfg.capture, city_cfg.survey_altitude, city_cfg.survey_overlap) == ("survey", 90.0, 0.5)
+    flight = survey_cameras(city_cfg)
+    scene = load_scene(info.out_dir, DataConfig(normalize=False))
+    order = [int(c["source"].removeprefix("survey_")) for c in doc["cameras"]]
+    assert sorted(order) == list(range(len(flight)))  # every shot of the flight, none twice
+    for cam, i in zip(scene.cameras, order):
+        np.testing.assert_allclose(cam.viewmat, flight[i].viewmat, atol=1e-5)
+    held = {order[i] for i, c in enumerate(scene.cameras) if c.name in set(info.test_names)}
+    assert len(held) == len(flight) // 8 + (len(flight) % 8 > 0)
+    assert all(i - 1 not in held and i + 1 not in held and 0 < i < len(flight) - 1 for i in held)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cameras", "4"], "a survey's camera count follows from the city's size"),
+    (["--pitch", "-20"], "survey_pitch -20 degrees puts the top of a"),
+    (["--altitude", "30"], "survey_altitude 30 m must clear the tallest buildings (45 m)"),
+])
+def test_bad_survey_input_is_one_error_line_and_leaves_nothing(tmp_path, capsys, args, message):
+    before = _listing(tmp_path)
+    argv = ["city", str(tmp_path / "c"), "--capture", "survey", "--width", "32", "--height", "18", *args]
+    assert _exit_code(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert _listing(tmp_path) == before

@@ -1,8 +1,9 @@
 """`python -m tools.bench scale`: a generated city trained out of core under mpirun, and what it costs.
 
-For the city and for smaller ones of `--fractions` of its size (the same street density, so a
-camera sees as much of each): `tools.make_scene city` (its ground truth a store, rendered block by
-block), `tools.tile` of its noisy point cloud at SH degree 3, the held-out PSNR of that
+For the city and for smaller ones of `--fractions` of its size (the same density): `tools.make_scene
+city` (its ground truth a store, rendered block by block; `--capture survey` flies a drone survey
+whose views stay the same size as the city grows, where a street camera sees most of the city),
+`tools.tile` of its noisy point cloud at SH degree 3, the held-out PSNR of that
 initialisation (`--steps 0`), then `mpirun -n R python -m train --cache-mb B` for `--steps`
 steps on a fresh copy. Per rank, from the trainer's own metrics lines: peak RSS (flat in the
 scene's size if paging works), seconds per step, cache hit rate, bytes read and written per step,

@@ -11,11 +11,13 @@
 
 `python -m tools.make_scene` is the command line. For a street-level city in Python:
 `generate_city(CityConfig(blocks=2, cameras=16, width=320, height=180))` (in memory), or
-`make_scene("city", out, SceneConfig(gaussians=200_000))` (a dataset with a ground-truth store).
+`make_scene("city", out, SceneConfig(gaussians=200_000))` (a dataset with a ground-truth store);
+`capture="survey"` in either gives a drone's oblique survey instead (`survey_cameras`).
 """
 from tools.scenes.cameras import holdout_slots, look_at, pinhole_K
 from tools.scenes.city import (CAR, FACADE, GROUND, ROOF, TREE, City, CityConfig, CityError, CityLayout, CityTile,
-                               city_cameras, city_layout, city_tile, city_tiles, generate_city, sized)
+                               city_cameras, city_layout, city_tile, city_tiles, generate_city, sized, survey_cameras,
+                               survey_footprint)
 from tools.scenes.city_dataset import CityDataset, city_config, make_city
 from tools.scenes.config import KINDS, SceneConfig, SceneError
 from tools.scenes.files import GROUND_TRUTH, POINTS, SCENE_JSON
@@ -28,5 +30,6 @@ __all__ = [
     "City", "CityConfig", "CityDataset", "CityError", "CityLayout", "CityTile", "GroundTruth", "SceneConfig",
     "SceneError", "SceneInfo", "build_scene", "city_cameras", "city_config", "city_layout", "city_tile",
     "city_tiles", "clustered_points", "generate_city", "holdout_slots", "look_at", "make_city", "make_scene",
-    "make_wall", "pinhole_K", "random_colors", "random_splats", "scene_block", "sized", "wall_grid", "wall_points",
+    "make_wall", "pinhole_K", "random_colors", "random_splats", "scene_block", "sized", "survey_cameras",
+    "survey_footprint", "wall_grid", "wall_points",
 ]

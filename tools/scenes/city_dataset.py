@@ -1,12 +1,13 @@
 """The city kind: a full dataset at any size, generated, written and rendered block by block.
 
 1. The layout (buildings, trees, cars: a few arrays per city block) and candidate cameras, street
-   level and aerial, are made whole; they are small.
+   level and aerial (or the survey's flight, `capture="survey"`), are made whole; they are small.
 2. The Gaussians are made one tile at a time (`tools.scenes.city.city_tile`, a column of octree
    cells) and written as blocks of the ground-truth store (`storage.Store`, one commit at the end),
    while the tile's means mark which cells of each candidate camera's coarse image grid the city
    fills and a noisy subsample of it goes to the point cloud's scratch file.
-3. The cameras that the city fills best are kept and named for hold-out; their images are rendered
+3. The cameras that the city fills best are kept (a survey keeps its whole flight, in flight order)
+   and named for hold-out; their images are rendered
    from the store by `tools.view.render.FrustumRenderer`, which pages the blocks in each camera's
    frustum through a params-only `BlockCache` of `cache_mb`: the viewer's renderer, not a second one.
 4. transforms.json, points3d.ply and scene.json complete the dataset, which appears at OUT at once.
@@ -14,7 +15,8 @@
 Generating the ground truth takes one tile's memory plus the layout, whatever the number of
 Gaussians. Rendering takes the cache budget plus the 2D splats of the view being rendered: a street
 camera looking along a straight street has most of the city in its frustum, and nothing culls what
-the buildings hide, so that part grows with the city (docs/benchmarks.md, "make_scene city").
+the buildings hide, so that part grows with the city (docs/benchmarks.md, "make_scene city"); a
+survey image sees a bounded patch, so with a survey the whole run stays flat.
 The ground-truth store lives under `work` (default OUT.work beside OUT); `clean` removes it, and the
 work folder when the run made it, once the images are rendered.
 """
