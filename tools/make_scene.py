@@ -10,6 +10,7 @@ from typing import NoReturn
 import numpy as np
 
 from tools.scenes import KINDS, SceneConfig, SceneError, SceneInfo, make_scene
+from tools.scenes.city import CAPTURES
 from train.cli import HelpFormatter
 
 
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=SceneConfig.cache_mb,
                    help="city: block cache for rendering the images by paging the ground-truth store")
     p.add_argument("--aerial", type=float, default=SceneConfig.aerial, help="city: share of aerial cameras")
-    p.add_argument("--capture", choices=("street", "survey"), default=SceneConfig.capture,
+    p.add_argument("--capture", choices=CAPTURES, default=SceneConfig.capture,
                    help="city: street cameras plus the --aerial share, or a drone's double-grid oblique survey "
                    "whose images each see a bounded patch of the city (its camera count follows from the city's "
                    "size, --altitude and --overlap)")
@@ -84,8 +85,9 @@ def scene_request(argv: list[str] | None = None) -> tuple[str, Path, SceneConfig
     exit 1 for bad flags)."""
     a = _parser().parse_args(argv)
     cfg = SceneConfig(seed=a.seed, width=a.width, height=a.height, cameras=a.cameras, gaussians=a.gaussians,
-                      sh_degree=a.sh_degree, point_fraction=a.point_fraction, wall_length=a.wall_length, overwrite=a.overwrite, work=a.work,
-                      clean=a.clean, cache_mb=a.cache_mb, aerial=a.aerial, block_gaussians=a.block_gaussians,
+                      sh_degree=a.sh_degree, point_fraction=a.point_fraction, wall_length=a.wall_length,
+                      overwrite=a.overwrite, work=a.work, clean=a.clean, cache_mb=a.cache_mb, aerial=a.aerial,
+                      block_gaussians=a.block_gaussians,
                       capture=a.capture, altitude=a.altitude, pitch=a.pitch, overlap=a.overlap)
     return a.kind, a.out, cfg
 

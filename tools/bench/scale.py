@@ -22,6 +22,8 @@ import numpy as np
 
 from tools.bench.train import (BenchError, TrainRun, python_module, run_child, scratch, store_size, tile, train,
                                warm_images)
+from tools.scenes import SceneConfig
+from tools.scenes.city import CAPTURES
 from train.cli import HelpFormatter
 
 MiB = 2**20
@@ -44,12 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", type=_fractions, default="1,0.25,0.0625",
                    help="sizes of the cities to run, as shares of --gaussians")
     p.add_argument("--cameras", type=int, default=64, help="cameras of the largest city (scaled with its share)")
-    p.add_argument("--capture", choices=("street", "survey"), default="street",
+    p.add_argument("--capture", choices=CAPTURES, default=SceneConfig.capture,
                    help="the city's cameras (`tools.make_scene --capture`): a survey's images each see a bounded "
                    "patch, so its camera count grows with the city and --cameras is not used")
-    p.add_argument("--altitude", type=float, default=120.0, help="survey: flying height (m)")
-    p.add_argument("--overlap", type=float, default=0.6, help="survey: overlap of neighbouring images")
-    p.add_argument("--point-fraction", type=float, default=0.4,
+    p.add_argument("--altitude", type=float, default=SceneConfig.altitude, help="survey: flying height (m)")
+    p.add_argument("--overlap", type=float, default=SceneConfig.overlap, help="survey: overlap of neighbouring images")
+    p.add_argument("--point-fraction", type=float, default=SceneConfig.point_fraction,
                    help="share of the ground truth in the point cloud the store is tiled from")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks")
     p.add_argument("--cache-mb", type=float, default=1500.0, help="each rank's block cache")

@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from octree.semantics import MAX_SH_DEGREE
-from tools.scenes.city import CAPTURES
+from tools.scenes.city import CAPTURES, CityConfig
 
 KINDS = ("wall", "city", "object")
 
@@ -68,10 +68,10 @@ class SceneConfig:
     cache_mb: float = 256.0
     aerial: float = 0.125
     block_gaussians: int = 32768
-    capture: str = "street"
-    altitude: float = 120.0
-    pitch: float = -60.0
-    overlap: float = 0.6
+    capture: str = CityConfig.capture
+    altitude: float = CityConfig.survey_altitude
+    pitch: float = CityConfig.survey_pitch
+    overlap: float = CityConfig.survey_overlap
 
     def __post_init__(self) -> None:
         for name in ("width", "height", "cameras", "gaussians", "block_gaussians"):
