@@ -6,7 +6,8 @@ the caller thread, so there are no locks. Zarr and numcodecs release the GIL whi
 decode, so prefetching overlaps the caller's compute.
 
 Budget: a tier counts the tensor bytes of its resident blocks plus the blocks in flight into it
-(loads) or out of it (write-backs). With a CUDA device there are two tiers, device memory and
+(loads) or out of it (write-backs), plus the working memory its caller reserved (`working`: the
+buffers a training step allocates beside its blocks), so that the budget bounds what a rank holds. With a CUDA device there are two tiers, device memory and
 then pinned host memory; a block evicted from the device moves to the host tier, and only the
 host tier writes back. On CPU there is one tier.
 """
@@ -106,10 +107,11 @@ class _Tier:
         self.sizes: dict[str, int] = {}  # bytes of each block when it arrived
         self.used = 0  # bytes of resident blocks
         self.reserved = 0  # bytes in flight into or out of this tier
+        self.working = 0  # bytes of the caller's working memory (`BlockCache.working`)
 
     @property
     def free(self) -> int:
-        return self.budget - self.used - self.reserved
+        return self.budget - self.used - self.reserved - self.working
 
     def add(self, block: Block) -> None:
         self.blocks[block.key] = block
@@ -201,7 +203,7 @@ class BlockCache:
             self.stats.hits += 1
             block = lower.pop(key)
             try:
-                self._make_room(top, block.nbytes, key)
+                self._make_room(top, block.nbytes, f"block {key}")
             except BaseException:
                 lower.add(block)
                 raise
@@ -214,7 +216,7 @@ class BlockCache:
         self.stats.misses += 1
         info = self._lookup(key)
         nbytes = info.count * self._bytes_per_row
-        self._make_room(top, nbytes, key)
+        self._make_room(top, nbytes, f"block {key}")
         start = time.perf_counter()
         future = _run_now(self._load, info)  # a demand load needs no worker; the caller waits anyway
         self.stats.io_wait_s += time.perf_counter() - start
@@ -231,7 +233,7 @@ class BlockCache:
                 continue
             info = self._lookup(key)
             nbytes = info.count * self._bytes_per_row
-            if self._make_room(top, nbytes, key, demand=False):
+            if self._make_room(top, nbytes, f"block {key}", demand=False):
                 task = self._pool.submit(self._load, info)
             else:
                 # The bytes of evicted blocks still being written become this load's: it starts once
@@ -277,7 +279,7 @@ class BlockCache:
             self.drop(key)
             return None
         old = self._forget(key, pinned_ok=True)
-        self._make_room(self._tiers[0], sum(t.numel() * t.element_size() for t in tensors.values()), key)
+        self._make_room(self._tiers[0], sum(t.numel() * t.element_size() for t in tensors.values()), f"block {key}")
         block = Block(key, cell, None, _to_device(dict(tensors), self.device), dirty=True, pins=old.pins if old else 0)
         self._tiers[0].add(block)
         self._removed.discard(key)
@@ -349,8 +351,28 @@ class BlockCache:
         return self._lookup(key).count
 
     def nbytes(self, tier: int = 0) -> int:
-        """Bytes a tier holds now, in-flight bytes included (what the budget bounds)."""
-        return self._tiers[tier].used + self._tiers[tier].reserved
+        """Bytes a tier holds now, in-flight bytes and working memory included (what the budget bounds)."""
+        t = self._tiers[tier]
+        return t.used + t.reserved + t.working
+
+    @property
+    def working_bytes(self) -> int:
+        """Bytes of working memory reserved now (`working`), in the device tier."""
+        return self._tiers[0].working
+
+    @contextlib.contextmanager
+    def working(self, nbytes: int, what: str) -> Iterator[None]:
+        """Count `nbytes` of the caller's own memory (`what`: a step's gathered rows, gradients and
+        projections) against the device budget until the context exits, evicting unpinned blocks
+        to make room first; raises CacheBudgetError when the pinned blocks leave too little."""
+        self._harvest_writes()
+        top = self._tiers[0]
+        self._make_room(top, nbytes, what)
+        top.working += nbytes
+        try:
+            yield
+        finally:
+            top.working -= nbytes
 
     def close(self) -> None:
         """Stop the workers. Dirty blocks that were not flushed are lost (with a warning)."""
@@ -374,7 +396,7 @@ class BlockCache:
         for tier in self._tiers:
             tier.blocks.clear()
             tier.sizes.clear()
-            tier.used = tier.reserved = 0
+            tier.used = tier.reserved = tier.working = 0
         self._loads.clear()
 
     def __enter__(self) -> "BlockCache":
@@ -440,13 +462,13 @@ class BlockCache:
         pending.tier.add(block)
         return block
 
-    def _make_room(self, tier: _Tier, nbytes: int, key: str, demand: bool = True) -> bool:
+    def _make_room(self, tier: _Tier, nbytes: int, what: str, demand: bool = True) -> bool:
         """Evict until nbytes fit once the write-backs in flight have landed. A demand (get/put)
         then waits for them, and may also discard unclaimed prefetches; a prefetch only evicts,
         and reports False if the bytes are not free now."""
         if nbytes > tier.budget:
             raise CacheBudgetError(
-                f"cache of store {self.store.name}: block {key} needs {nbytes} B, more than the "
+                f"cache of store {self.store.name}: {what} needs {nbytes} B, more than the "
                 f"{tier.device.type} budget of {tier.budget} B"
             )
         while tier.free < nbytes:
@@ -468,9 +490,9 @@ class BlockCache:
                 self._harvest_writes()
             else:
                 raise CacheBudgetError(
-                    f"cache of store {self.store.name}: block {key} needs {nbytes} B but only {tier.free} B "
+                    f"cache of store {self.store.name}: {what} needs {nbytes} B but only {tier.free} B "
                     f"of the {tier.device.type} budget of {tier.budget} B can be freed "
-                    f"({tier.pinned_bytes()} B are pinned)"
+                    f"({tier.pinned_bytes()} B are pinned, {tier.working} B are working memory)"
                 )
         return True
 
@@ -486,7 +508,7 @@ class BlockCache:
         if tier is self._tiers[0]:
             self.stats.evictions += 1
         if lower is not None:
-            self._make_room(lower, block.nbytes, block.key)
+            self._make_room(lower, block.nbytes, f"block {block.key}")
             block.tensors = _to_device(block.tensors, lower.device, pin=self.device.type == "cuda")
             lower.add(block)
         elif block.dirty:

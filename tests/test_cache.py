@@ -204,6 +204,36 @@ def test_pinned_blocks_are_never_evicted_and_overcommit_is_an_error(tmp_path: Pa
     cache.close()
 
 
+def test_working_memory_counts_against_the_budget_until_released(tmp_path: Path) -> None:
+    store, _ = make_store(tmp_path / "s.zarr", [400, 400, 200, 200])
+    budget = 1000 * ROW
+    cache = BlockCache(store, budget)
+    for k in ("2-0", "2-1"):
+        cache.get(k)
+    cache.pin(["2-1"])
+    with cache.working(300 * ROW, "a step's buffers"):
+        # room was made as for a block: the least recently used unpinned block went
+        assert [b.key for b in cache.resident()] == ["2-1"] and cache.stats.evictions == 1
+        assert cache.nbytes() == 700 * ROW
+        cache.prefetch(["2-2", "2-3"])  # room beside the pin and the reservation for one of them
+        assert cache.stats.prefetch_skipped == 1 and cache.nbytes() == 900 * ROW
+        with pytest.raises(CacheBudgetError, match=rf"more buffers needs {400 * ROW} B but only {300 * ROW} B.*"
+                                                   rf"{400 * ROW} B are pinned, {300 * ROW} B are working memory"):
+            with cache.working(400 * ROW, "more buffers"):  # the unclaimed prefetch is given up first
+                pass
+        assert cache.nbytes() == 700 * ROW
+        cache.get("2-3")
+        assert cache.nbytes() == 900 * ROW
+    assert cache.nbytes() == 600 * ROW  # released: the pinned block and 2-3 stay
+    with pytest.raises(CacheBudgetError, match=rf"wide buffers needs {2 * budget} B, more than the cpu budget"):
+        with cache.working(2 * budget, "wide buffers"):
+            pass
+    with cache.working(600 * ROW, "a larger step"):
+        assert [b.key for b in cache.resident()] == ["2-1"] and cache.nbytes() == budget
+    assert cache.nbytes() == 400 * ROW
+    cache.close()
+
+
 def test_put_drop_and_flush_feed_the_next_commit(tmp_path: Path) -> None:
     store, data = make_store(tmp_path / "s.zarr", [200, 200, 200])
     cache = BlockCache(store, 10_000 * ROW)

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from storage import Store
+from storage.cache import BlockCache
 from storage.schema import bytes_per_gaussian
 from tests.helpers.layout import assert_same_blocks
 from tools.tile.__main__ import main as tile_main
+from train import step as step_module
 from train.config import TrainConfig
 from train.region import Region
 from train.trainer import load_cameras, run
@@ -36,6 +38,16 @@ def test_waves_are_consecutive_runs_within_half_the_budget():
     assert split_waves([20, 2, 2], 18) == [(0, 1), (1, 3)]  # too large a block goes alone: the cache refuses it
     assert split_waves([4, 4, 4, 4], 16) == [(0, 2), (2, 4)]
     assert split_waves([], 10) == []
+
+
+@pytest.fixture(scope="module")
+def fine_wall(wall, tmp_path_factory) -> tuple[Path, Path]:
+    """The wall tiled into blocks of at most 100 Gaussians: a third of a view's blocks then holds
+    a wave and the step's working memory beside it (one of the wall's 400-Gaussian blocks does not)."""
+    data, _ = wall
+    store = tmp_path_factory.mktemp("fine_wall") / "wall.zarr"
+    assert tile_main([str(data), "--out", str(store), "--max-per-block", "100"]) == 0
+    return data, store
 
 
 def _config(data: Path, store: Path, out: Path, **kw) -> TrainConfig:
@@ -64,8 +76,8 @@ def _copy(store: Path, tmp_path: Path, name: str) -> Path:
     return tmp_path / name
 
 
-def test_a_cache_a_third_of_a_view_trains_bit_for_bit_as_in_memory(wall, tmp_path):
-    data, tiled = wall
+def test_a_cache_a_third_of_a_view_trains_bit_for_bit_as_in_memory(fine_wall, tmp_path):
+    data, tiled = fine_wall
     _, view_bytes = _view_rows(data, tiled)
     results = {}
     # dense Adam: every row a wave pages first takes the steps it missed (the other modes: below)
@@ -81,9 +93,44 @@ def test_a_cache_a_third_of_a_view_trains_bit_for_bit_as_in_memory(wall, tmp_pat
     assert results["waves"]["bytes_read"] > 2 * results["memory"]["bytes_read"]  # each step read its view twice
 
 
-@pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
-def test_waves_under_mpirun_equal_one_process_in_memory(wall, tmp_path):
+def test_a_step_counts_its_working_memory_in_the_budget(wall, tmp_path, monkeypatch):
+    """The gathered copy of a step's rows and their gradients are reserved in the cache while
+    they live; a view whose blocks fit the cache but not beside that memory is paged in waves."""
     data, tiled = wall
+    _, view_bytes = _view_rows(data, tiled)
+    caches, seen = [], []
+    working = BlockCache.working
+
+    def recording_working(cache, nbytes, what):
+        if cache not in caches:
+            caches.append(cache)
+        return working(cache, nbytes, what)
+
+    backprop = step_module.backprop_owned
+
+    def checked_backprop(projected, back, mode):
+        out = backprop(projected, back, mode)
+        cache = caches[-1]
+        live = sum(p.numel() * p.element_size() * (1 + (p.grad is not None)) for p in projected.gathered.params.values())
+        seen.append((live, cache.working_bytes))
+        assert cache.nbytes() <= cache.budget
+        return out
+
+    monkeypatch.setattr(BlockCache, "working", recording_working)
+    monkeypatch.setattr(step_module, "backprop_owned", checked_backprop)
+    for name, cache_mb in (("memory", 1024), ("tight", 1.2 * view_bytes / 2**20)):
+        store = _copy(tiled, tmp_path, f"{name}.zarr")
+        run(_config(data, store, tmp_path / name, cache_mb=cache_mb, steps=6))
+    assert len(seen) >= 12 and all(0 < live <= reserved for live, reserved in seen), seen
+    assert [r["waves"] for r in _train_lines(tmp_path / "memory" / "metrics.jsonl")] == [0] * 6
+    # the blocks of the largest view alone would fit this cache
+    assert max(r["waves"] for r in _train_lines(tmp_path / "tight" / "metrics.jsonl")) >= 2
+    assert_same_blocks(Store.open(tmp_path / "memory.zarr", mode="r"), Store.open(tmp_path / "tight.zarr", mode="r"))
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
+def test_waves_under_mpirun_equal_one_process_in_memory(fine_wall, tmp_path):
+    data, tiled = fine_wall
     _, view_bytes = _view_rows(data, tiled)
     flags = ["--data", str(data), "--steps", "12", "--data-factor", "1", "--commit-every", "5", "--log-every", "1",
              "--no-progress", "--deterministic", "--strategy", "mcmc", "--cap-max", "14000",

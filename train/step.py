@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,7 @@ from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.stats import accumulate_stats, empty_stats
-from train.waves import check_splats, plan_waves
+from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, step_bytes, wave_bytes
 
 
 @dataclass
@@ -386,8 +387,10 @@ def project_waves(
     cache,
     sh_degree: int,
     backend: str,
+    held: ExitStack,  # with more than one wave, the splats' reservation in the cache, until it closes
     prepare: Callable[[str], None] | None = None,  # called on each block before it is read (dense Adam's catch-up)
     clock: _Clock | None = None,
+    backward: bool = True,  # a second pass backpropagates wave by wave (`step_waves`)
 ) -> WaveForward:
     """Page each wave (pinned while it is projected, the next one loading meanwhile), project it
     into every camera that sees some of it and let it go: only the detached splats stay. Each
@@ -395,31 +398,38 @@ def project_waves(
     fwd = WaveForward(waves, [], [], {})
     parts: dict[int, list[Splats2D]] = {}
     row0 = 0
+    # The splats must leave room for the largest wave, paged again beside them (or next).
+    largest = max(wave_bytes(keys, visible, cache, backward) for keys in waves) if len(waves) > 1 else 0
     for w, keys in enumerate(waves):
         cache.pin(keys)
         try:
-            if w + 1 < len(waves):
-                cache.prefetch(waves[w + 1])
-            for k in keys if prepare is not None else ():
-                prepare(k)
-            inside = set(keys)
-            vis = [[k for k in v if k in inside] for v in visible]
-            g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
-            if clock is not None:
-                clock.mark("io")
-            splats = project_owned(g, vis, cameras, sh_degree, backend).splats
-            if clock is not None:
-                clock.mark("project")
+            with cache.working(step_bytes(keys, visible, cache, backward=False), f"the projection of wave {w} of the step"):
+                if w + 1 < len(waves):
+                    cache.prefetch(waves[w + 1])
+                for k in keys if prepare is not None else ():
+                    prepare(k)
+                inside = set(keys)
+                vis = [[k for k in v if k in inside] for v in visible]
+                g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
+                if clock is not None:
+                    clock.mark("io")
+                splats = project_owned(g, vis, cameras, sh_degree, backend).splats
+                rows = g.offsets[-1]
+                del g  # its copy of the rows is what the reservation counted
+                if clock is not None:
+                    clock.mark("project")
         finally:
             cache.unpin(keys)
         fwd.visible.append(vis)
         fwd.counts.append({i: len(p) for i, p in splats.items()})
         if len(waves) > 1:
-            check_splats(sum(sum(c.values()) for c in fwd.counts), cache)
+            check_splats(sum(sum(c.values()) for c in fwd.counts), cache, largest)
+            held.enter_context(cache.working(sum(fwd.counts[-1].values()) * SPLAT_STEP_BYTES,
+                                             f"the 2D splats of wave {w} of the step"))
         for i, p in splats.items():
             p.ids = p.ids + row0
             parts.setdefault(i, []).append(p)
-        row0 += g.offsets[-1]
+        row0 += rows
     fwd.owned = {i: p[0] if len(p) == 1 else Splats2D.cat(p) for i, p in sorted(parts.items())}
     return fwd
 
@@ -461,8 +471,11 @@ def step_waves(
             start[i] += counts.get(i, 0)
     for w in reversed(range(len(fwd.waves))):
         keys = fwd.waves[w]
-        cache.pin(keys)
-        try:
+        with ExitStack() as stack:
+            cache.pin(keys)
+            stack.callback(cache.unpin, keys)
+            stack.enter_context(cache.working(step_bytes(keys, fwd.visible[w], cache),
+                                              f"the backward of wave {w} of the step"))
             if w > 0:
                 cache.prefetch(fwd.waves[w - 1])
             cached = {k: cache.get(k) for k in keys}
@@ -481,8 +494,6 @@ def step_waves(
                 return False
             adam_update(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, adam_step.global_step)
             clock.mark("adam")
-        finally:
-            cache.unpin(keys)
     return True
 
 
@@ -571,21 +582,24 @@ def _train_step_in_waves(waves, visible, cameras, cam_rank, images, cache, excha
     and vote as one batch would, then step in waves."""
     lazy = adam_step.lazy
     prepare = None if lazy is None else (lambda k: catch_up_block(lazy, cache, k, adam_step.number - 1))
-    fwd = project_waves(waves, visible, cameras, cache, sh_degree, backend, prepare, clock)
-    stats.blocks, stats.waves = sum(map(len, waves)), len(waves)
-    stats.projected = sum(len(s) for s in fwd.owned.values())
-    rendered, back = _render_owned(fwd.owned, cameras, cam_rank, images, exchange, background, backend, stats,
-                                   absgrad, ssim_lambda, clock)
-    finite = losses_finite(rendered) and splat_grads_finite(back, adam_step.mode)
-    skip = exchange.any(not finite)
-    clock.mark("exchange")
-    if skip or not step_waves(fwd, back, cameras, cache, sh_degree, backend, adam_step, regularizers, lrs, adam,
-                              stats, clock, perturb):
-        stats.skipped = True
-        return stats
+    with ExitStack() as held:  # the 2D splats' reservation, for the whole step
+        fwd = project_waves(waves, visible, cameras, cache, sh_degree, backend, held, prepare, clock)
+        stats.blocks, stats.waves = sum(map(len, waves)), len(waves)
+        stats.projected = sum(len(s) for s in fwd.owned.values())
+        rendered, back = _render_owned(fwd.owned, cameras, cam_rank, images, exchange, background, backend, stats,
+                                       absgrad, ssim_lambda, clock)
+        finite = losses_finite(rendered) and splat_grads_finite(back, adam_step.mode)
+        skip = exchange.any(not finite)
+        clock.mark("exchange")
+        if skip or not step_waves(fwd, back, cameras, cache, sh_degree, backend, adam_step, regularizers, lrs, adam,
+                                  stats, clock, perturb):
+            stats.skipped = True
+            return stats
     stats.extents = {k: stats.extents[k] for wave in waves for k in wave if k in stats.extents}  # Morton order
     _record_losses(stats, rendered)
     return stats
+
+
 @torch.no_grad()
 def render_cameras(
     cameras: list[Camera],
@@ -605,11 +619,13 @@ def render_cameras(
     for i, cam in enumerate(cameras):
         keys = visible[i]
         # a view larger than the cache is projected in waves, as in training
-        owned = project_waves(plan_waves(keys, cache) or [keys], [keys], [cam], cache, sh_degree, backend, prepare).owned
-        mine = {i: owned[0]} if 0 in owned else {}
-        outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
-        incoming = exchange.send_splats(outgoing, n_cams)
-        if cam_rank[i] == rank:
-            _, s = _parts_for_camera(i, rank, mine, incoming)
-            out[i] = rasterize(s, cam, background, backend=backend)
+        with ExitStack() as held:
+            owned = project_waves(plan_waves(keys, [keys], cache, backward=False) or [keys], [keys], [cam], cache, sh_degree,
+                                  backend, held, prepare, backward=False).owned
+            mine = {i: owned[0]} if 0 in owned else {}
+            outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
+            incoming = exchange.send_splats(outgoing, n_cams)
+            if cam_rank[i] == rank:
+                _, s = _parts_for_camera(i, rank, mine, incoming)
+                out[i] = rasterize(s, cam, background, backend=backend)
     return out

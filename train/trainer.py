@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 import warnings
+from contextlib import ExitStack
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
 from train.schedule import Schedule
 from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
-from train.waves import plan_waves
+from train.waves import plan_waves, step_bytes
 
 
 class TrainError(RuntimeError):
@@ -251,13 +252,17 @@ class Trainer:
         visible, culled = self._cull(cams, step)
         if visible is None:  # culled once here, for the pin below and for the step's paging
             visible = [self.region.visible(c) for c in cams]
-        # This step's blocks are pinned first, so the next step's prefetch evicts others; a view
-        # larger than the cache pages them in waves, and the next step's blocks would only be evicted again.
+        # This step's blocks are pinned and its working memory reserved first, so the next step's
+        # prefetch takes only what is left; a view larger than the cache pages them in waves, and
+        # the next step's blocks would only be evicted again.
         needed = self.region.union(visible)
-        waves = plan_waves(needed, self.cache)
-        pinned = needed if waves is None else []
-        self.cache.pin(pinned)
-        try:
+        waves = plan_waves(needed, visible, self.cache)
+        with ExitStack() as paged:
+            if waves is None:
+                self.cache.pin(needed)
+                paged.callback(self.cache.unpin, needed)
+                paged.enter_context(self.cache.working(step_bytes(needed, visible, self.cache),
+                                                       f"step {step}'s working memory"))
             if step + 1 < self.end and not self.densifier.due(step):
                 self.plan(step + 1, prefetch=waves is None)
             lrs = learning_rates(self.adam, step, self.cfg.steps, self.scene.scene_scale)
@@ -271,8 +276,6 @@ class Trainer:
                                visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
                                regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
                                                          _num_gaussians(self.store)), waves=waves)
-        finally:
-            self.cache.unpin(pinned)
         if culled is not None:
             stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
