@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import math
+import mmap
 import os
 import shutil
 import struct
@@ -298,12 +299,27 @@ def _parse_metadata(text: str) -> ArrayV3Metadata:
     return ArrayV3Metadata.from_dict(json.loads(text))
 
 
+# Arrays of at least this many bytes get their own anonymous mapping (`mapped_empty`).
+MAPPED_BYTES = 128 * 1024
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.empty, but a large array is its own anonymous mapping, unmapped when the last view of
+    it goes. A block read lives as long as a cache keeps it: from the C heap, freed blocks left
+    holes between the short-lived buffers of the steps, which glibc kept resident (1.4 GiB
+    beyond a 1.5 GiB cache in the scale runs, docs/benchmarks.md)."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes < MAPPED_BYTES:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
+
+
 class _ArrayRead:
     """One array being read: its chunk keys and the output its chunks decode into."""
 
     def __init__(self, path: str, meta: ArrayV3Metadata, shape: tuple[int, ...], dtype: np.dtype, where: str) -> None:
         self.meta, self.where = meta, where
-        self.out = np.empty(shape, dtype)
+        self.out = mapped_empty(shape, dtype)
         self.rows = meta.chunk_grid.chunk_shape[0]  # type: ignore[attr-defined]
         # No data, no chunks: zarr stores none for e.g. shN at sh_degree 0.
         n_chunks = math.ceil(shape[0] / self.rows) if self.out.size else 0
