@@ -7,9 +7,10 @@ decode, so prefetching overlaps the caller's compute.
 
 Budget: a tier counts the tensor bytes of its resident blocks plus the blocks in flight into it
 (loads) or out of it (write-backs), plus the working memory its caller reserved (`working`: the
-buffers a training step allocates beside its blocks), so that the budget bounds what a rank holds. With a CUDA device there are two tiers, device memory and
-then pinned host memory; a block evicted from the device moves to the host tier, and only the
-host tier writes back. On CPU there is one tier.
+buffers a training step allocates beside its blocks), so that the budget bounds what a rank
+holds. With a CUDA device there are two tiers, device memory and then pinned host memory; a
+block evicted from the device moves to the host tier, and only the host tier writes back. On
+CPU there is one tier.
 """
 from __future__ import annotations
 

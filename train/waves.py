@@ -4,9 +4,10 @@ A rank whose step sees more of its blocks than its cache holds runs the step in 
 (`train.step.train_step` with `waves`): contiguous Morton ranges of the step's blocks, each
 paged, projected into every camera and released, so that only the 2D splats stay; after the
 rasterization the waves are paged again to backpropagate and step Adam. A wave takes at most
-half the budget where the largest block allows it, so the next wave loads while one is worked on.
+half of what the budget leaves beside the step's splats where the largest block allows it, so
+the next wave loads while one is worked on.
 
-The budget bounds the step's working memory as well as its blocks (`work_row_bytes`): each
+The budget bounds the step's working memory as well as its blocks (`step_bytes`): each
 gathered row's copy of the parameters, its gradient sums and its projection are reserved in the
 cache (`BlockCache.working`) while a step, or a wave, uses them; a view is split into waves when
 its blocks and that memory together exceed the budget. The 2D splats of a step in waves are held
