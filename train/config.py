@@ -70,7 +70,7 @@ class TrainConfig:
     batch_size: int = 1  # cameras per rank per step; the global batch is ranks x batch_size
     sh_degree: int | None = None  # highest SH degree to train (default: the store's)
     sh_degree_interval: int = 1000  # the SH degree used grows by one every this many steps
-    cache_mb: float | None = None  # block cache budget (default: a quarter of available memory)
+    cache_mb: float | None = None  # each rank's memory budget in MiB: its cached blocks and the step's working memory (gathered rows, gradients, projections, 2D splats); a view larger than it is paged in waves (default: a quarter of available memory)
     device: str = "auto"  # cpu | cuda | auto (cuda when available)
     data_factor: int = 1  # image downscale factor
     test_every: int = 8  # every N-th image is held out for evaluation
