@@ -362,13 +362,19 @@ class BlockCache:
         return self._tiers[0].working
 
     @contextlib.contextmanager
-    def working(self, nbytes: int, what: str) -> Iterator[None]:
+    def working(self, nbytes: int, what: str, strict: bool = True) -> Iterator[None]:
         """Count `nbytes` of the caller's own memory (`what`: a step's gathered rows, gradients and
         projections) against the device budget until the context exits, evicting unpinned blocks
-        to make room first; raises CacheBudgetError when the pinned blocks leave too little."""
+        to make room first; raises CacheBudgetError when the pinned blocks leave too little.
+        strict False, for memory no plan could bound in advance (the rasterizer's, which depends on
+        the splats other ranks send): the unpinned blocks make what room they can, and the rest is
+        counted over the budget instead of refused, so that nothing is loaded into it meanwhile."""
         self._harvest_writes()
         top = self._tiers[0]
-        self._make_room(top, nbytes, what)
+        if strict:
+            self._make_room(top, nbytes, what)
+        else:
+            self._make_room(top, min(nbytes, top.budget), what, demand=False)
         top.working += nbytes
         try:
             yield

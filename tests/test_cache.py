@@ -234,6 +234,30 @@ def test_working_memory_counts_against_the_budget_until_released(tmp_path: Path)
     cache.close()
 
 
+def test_unbounded_working_memory_evicts_what_it_can_and_counts_the_rest_over_the_budget(tmp_path: Path) -> None:
+    """strict=False (a rasterizer's lists): never refused, but nothing loads into it meanwhile."""
+    store, _ = make_store(tmp_path / "s.zarr", [400, 400, 200, 200])
+    budget = 1000 * ROW
+    cache = BlockCache(store, budget)
+    for k in ("2-0", "2-1"):
+        cache.get(k)
+    cache.pin(["2-1"])
+    with cache.working(200 * ROW, "raster", strict=False):  # fits beside both blocks: nothing goes
+        assert cache.stats.evictions == 0 and cache.nbytes() == budget
+    with cache.working(900 * ROW, "raster", strict=False):
+        # the unpinned block went; the pinned one stays and the bytes beyond the budget are counted
+        assert [b.key for b in cache.resident()] == ["2-1"] and cache.stats.evictions == 1
+        assert cache.nbytes() == 1300 * ROW and cache.working_bytes == 900 * ROW
+        cache.prefetch(["2-2"])
+        assert cache.stats.prefetch_skipped == 1 and cache.nbytes() == 1300 * ROW
+        with pytest.raises(CacheBudgetError, match="are working memory"):
+            cache.get("2-3")  # a demand still may not go over
+    assert cache.nbytes() == 400 * ROW and cache.working_bytes == 0
+    with cache.working(3 * budget, "wide raster", strict=False):  # larger than the budget: everything unpinned goes
+        assert [b.key for b in cache.resident()] == ["2-1"] and cache.nbytes() == 400 * ROW + 3 * budget
+    cache.close()
+
+
 def test_put_drop_and_flush_feed_the_next_commit(tmp_path: Path) -> None:
     store, data = make_store(tmp_path / "s.zarr", [200, 200, 200])
     cache = BlockCache(store, 10_000 * ROW)

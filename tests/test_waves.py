@@ -21,7 +21,7 @@ from train import step as step_module
 from train.config import TrainConfig
 from train.region import Region
 from train.trainer import load_cameras, run
-from train.waves import SPLAT_STEP_BYTES, split_waves
+from train.waves import SPLAT_STEP_BYTES, raster_bytes, split_waves
 
 REPO = Path(__file__).resolve().parents[1]
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -98,13 +98,15 @@ def test_a_step_counts_its_working_memory_in_the_budget(wall, tmp_path, monkeypa
     they live; a view whose blocks fit the cache but not beside that memory is paged in waves."""
     data, tiled = wall
     _, view_bytes = _view_rows(data, tiled)
-    caches, seen = [], []
+    caches, seen, rastered = [], [], []
     working = BlockCache.working
 
-    def recording_working(cache, nbytes, what):
+    def recording_working(cache, nbytes, what, strict=True):
         if cache not in caches:
             caches.append(cache)
-        return working(cache, nbytes, what)
+        if what.startswith("rasterizing"):
+            rastered.append(("reserved", nbytes, strict))
+        return working(cache, nbytes, what, strict)
 
     backprop = step_module.backprop_owned
 
@@ -116,12 +118,22 @@ def test_a_step_counts_its_working_memory_in_the_budget(wall, tmp_path, monkeypa
         assert cache.nbytes() <= cache.budget
         return out
 
+    raster = step_module.rasterize
+
+    def checked_raster(splats, camera, *args, **kwargs):
+        rastered.append(("needed", raster_bytes(len(splats), 0, camera.width, camera.height), False))
+        return raster(splats, camera, *args, **kwargs)
+
     monkeypatch.setattr(BlockCache, "working", recording_working)
     monkeypatch.setattr(step_module, "backprop_owned", checked_backprop)
+    monkeypatch.setattr(step_module, "rasterize", checked_raster)
     for name, cache_mb in (("memory", 1024), ("tight", 1.2 * view_bytes / 2**20)):
         store = _copy(tiled, tmp_path, f"{name}.zarr")
         run(_config(data, store, tmp_path / name, cache_mb=cache_mb, steps=6))
     assert len(seen) >= 12 and all(0 < live <= reserved for live, reserved in seen), seen
+    # the rendered camera's rasterizer memory is counted beside the step's while it renders
+    # (reserved just before the rasterizer runs, as much as it needs, without refusing it)
+    assert len(rastered) >= 24 and rastered[0::2] == [("reserved", *r[1:]) for r in rastered[1::2]], rastered
     assert [r["waves"] for r in _train_lines(tmp_path / "memory" / "metrics.jsonl")] == [0] * 6
     # the blocks of the largest view alone would fit this cache
     assert max(r["waves"] for r in _train_lines(tmp_path / "tight" / "metrics.jsonl")) >= 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +34,7 @@ from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.stats import accumulate_stats, empty_stats
-from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, step_bytes, wave_bytes
+from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, raster_bytes, step_bytes, wave_bytes
 
 
 @dataclass
@@ -137,6 +137,17 @@ def _parts_for_camera(
         parts.append((rank, kept[i]))
     parts.sort(key=lambda p: p[0])
     return parts, (Splats2D.cat([p for _, p in parts]) if parts else Splats2D.empty())
+
+
+def _raster_memory(cache, i: int, camera: Camera, parts: list[tuple[int, Splats2D]], rank: int
+                   ) -> AbstractContextManager[None]:
+    """Camera i's rasterizer memory, counted in the cache (`cache` None: nowhere) while it renders
+    and backpropagates."""
+    if cache is None:
+        return nullcontext()
+    received = sum(len(p) for src, p in parts if src != rank)
+    nbytes = raster_bytes(sum(len(p) for _, p in parts), received, camera.width, camera.height)
+    return cache.working(nbytes, f"rasterizing camera {i}", strict=False)
 
 
 def _split_by_parts(values: Tensor, parts: list[tuple[int, Splats2D]]) -> list[Tensor]:
@@ -254,15 +265,17 @@ def rasterize_and_loss(
     stats: StepStats,
     absgrad: bool = False,  # also the absolute per-pixel 2D mean gradients (gsplat's absgrad)
     ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
+    cache=None,  # storage.BlockCache that counts the rasterizer's memory (None: not counted)
 ) -> Rendered:
     n_cams = len(cameras)
     out = Rendered([], [], {}, {})
     for i in (i for i in range(n_cams) if cam_rank[i] == rank):
         parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
-        raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
-        loss = photometric_loss(raster.rgb, images[i], ssim_lambda)
-        if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
-            (loss / n_cams).backward()
+        with _raster_memory(cache, i, cameras[i], parts, rank):
+            raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
+            loss = photometric_loss(raster.rgb, images[i], ssim_lambda)
+            if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
+                (loss / n_cams).backward()
         out.losses.append(loss.detach())
         out.psnrs.append(psnr(raster.rgb, images[i]))
         for (src, part), flags in zip(parts, _split_by_parts(raster.contributed, parts)):
@@ -499,14 +512,14 @@ def step_waves(
 
 def _render_owned(owned: dict[int, Splats2D], cameras: list[Camera], cam_rank: list[int], images: dict[int, Tensor],
                   exchange: Exchange, background: Tensor, backend: str, stats: StepStats, absgrad: bool,
-                  ssim_lambda: float, clock: _Clock) -> tuple[Rendered, dict[int, Back]]:
+                  ssim_lambda: float, clock: _Clock, cache) -> tuple[Rendered, dict[int, Back]]:
     """The middle of a step, the same whether its blocks were paged at once or in waves: the
     owners' splats to where their cameras are rendered, the rasterization and losses, and the
     splat gradients back to their owners."""
     routed = route_splats(owned, cam_rank, exchange, len(cameras))
     clock.mark("exchange")
     rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
-                                  absgrad, ssim_lambda)
+                                  absgrad, ssim_lambda, cache)
     clock.mark("render")
     back = return_grads(routed, rendered, exchange, absgrad)
     clock.mark("exchange")
@@ -556,7 +569,7 @@ def train_step(
         stats.projected = sum(len(s) for s in projected.owned.values())
         clock.mark("project")
         rendered, back = _render_owned(projected.owned, cameras, cam_rank, images, exchange, background, backend,
-                                       stats, absgrad, ssim_lambda, clock)
+                                       stats, absgrad, ssim_lambda, clock, cache)
         bp = backprop_owned(projected, back, adam_step.mode)
         # before the NaN vote: a scale that overflows exp() makes the step's update non-finite
         regularizers.add_grads(projected.gathered.params, bp.contributed)
@@ -587,7 +600,7 @@ def _train_step_in_waves(waves, visible, cameras, cam_rank, images, cache, excha
         stats.blocks, stats.waves = sum(map(len, waves)), len(waves)
         stats.projected = sum(len(s) for s in fwd.owned.values())
         rendered, back = _render_owned(fwd.owned, cameras, cam_rank, images, exchange, background, backend, stats,
-                                       absgrad, ssim_lambda, clock)
+                                       absgrad, ssim_lambda, clock, cache)
         finite = losses_finite(rendered) and splat_grads_finite(back, adam_step.mode)
         skip = exchange.any(not finite)
         clock.mark("exchange")
@@ -626,6 +639,7 @@ def render_cameras(
             outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
             incoming = exchange.send_splats(outgoing, n_cams)
             if cam_rank[i] == rank:
-                _, s = _parts_for_camera(i, rank, mine, incoming)
-                out[i] = rasterize(s, cam, background, backend=backend)
+                parts, s = _parts_for_camera(i, rank, mine, incoming)
+                with _raster_memory(cache, i, cam, parts, rank):
+                    out[i] = rasterize(s, cam, background, backend=backend)
     return out

@@ -13,6 +13,9 @@ cache (`BlockCache.working`) while a step, or a wave, uses them; a view is split
 its blocks and that memory together exceed the budget. The 2D splats of a step in waves are held
 for the whole step, reserved the same way: a view whose splats do not fit beside its largest wave
 is refused while its first pass projects, before anything of the step is stepped or written.
+The camera a rank renders reserves its rasterizer's memory (`raster_bytes`) once its splats have
+arrived; no plan knows that size in advance, so where the pins leave too little room it is
+counted over the budget rather than refused.
 """
 from __future__ import annotations
 
@@ -26,6 +29,16 @@ SPLAT_STEP_BYTES = 4 * (WIRE_FLOATS + GRAD_FLOATS) + 8 + 1
 # What projecting one row into a camera allocates besides the splat it may give: the row's index
 # and its 2D fields (means, conic, depth, opacity, radii) and culling flag before compaction.
 PROJECT_ROW_BYTES = 8 + 4 * (2 + 3 + 1 + 1 + 2) + 1
+# What rasterizing one splat allocates (train.render.cpu): its record (16 float32) and the copy
+# in depth order, its tile box (4 int64), its offsets into the tile lists (3 int64), its row in
+# depth order and its contributed flag, its summed gradient (9 float32); and one tile
+# intersection: the candidate, the list entry and its slot (4 + 4 + 8 B) and its gradient (9
+# float32). A splat's further intersections are not counted: binning finds them.
+RASTER_SPLAT_BYTES = 4 * 16 * 2 + 8 * 4 + 8 * 3 + 4 + 1 + 4 * 9 + 4 + 4 + 8 + 4 * 9
+# Per pixel of the rendered image: colour, alpha, transmittance, stop index and saturation depth,
+# the gradients of colour and alpha, the ground truth, and the loss's maps (the L1 difference and
+# SSIM's filtered images, three channels each).
+RASTER_PIXEL_BYTES = 4 * (3 + 1 + 1 + 1 + 1 + 3 + 1 + 3 + 3 * 6)
 
 
 def _views(keys: list[str], visible: list[list[str]]) -> list[int]:  # [len(keys)] cameras that see each block
@@ -50,6 +63,12 @@ def step_bytes(keys: list[str], visible: list[list[str]], cache, backward: bool 
     """The working memory a step, or a wave, over blocks `keys` reserves beside them while it runs
     (`visible`: each camera's blocks; `backward`: the pass backpropagates)."""
     return sum(_sizes(keys, visible, cache, backward, blocks=False))
+
+
+def raster_bytes(splats: int, received: int, width: int, height: int) -> int:
+    """The working memory of rasterizing one camera's `splats` (`received` of them from other
+    ranks, held with their gradients until these go back) into a `width` x `height` image."""
+    return splats * RASTER_SPLAT_BYTES + received * SPLAT_STEP_BYTES + width * height * RASTER_PIXEL_BYTES
 
 
 def wave_bytes(keys: list[str], visible: list[list[str]], cache, backward: bool = True) -> int:
