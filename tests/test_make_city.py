@@ -2,6 +2,7 @@
 against the whole city in memory, a whole-store render, the tiler and the trainer, and bad input."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from octree.keys import parse_key
 from storage import Store
 from storage.cache import param_bytes_per_gaussian
 from storage.schema import PARAM_NAMES
+from tools.bench.train import fresh_copy
 from tools.make_scene import main
 from tools.scenes import SCENE_JSON, CityConfig, SceneConfig, city_cameras, generate_city, make_scene, survey_cameras
 from tools.scenes.cameras import best_covered, coverage_cells
@@ -137,10 +139,10 @@ def test_tiles_and_trains_out_of_core_under_mpirun_with_psnr_rising(city, tmp_pa
                  "--sh-degree", "3")
     assert tiled.returncode == 0, tiled.stderr
     assert f"{info.points:,}" in tiled.stdout
+    pristine = _digests(tmp_path / "s.zarr")
     psnr = {}
     for steps in (0, 200):
-        store = tmp_path / f"s{steps}.zarr"
-        shutil.copytree(tmp_path / "s.zarr", store)  # training commits into its store
+        store = fresh_copy(tmp_path / "s.zarr", tmp_path / f"s{steps}.zarr")  # the bench's: hard links
         run = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "train", "--data", str(info.out_dir),
                               "--store", str(store), "--out", str(tmp_path / f"r{steps}"), "--steps", str(steps),
                               "--no-progress", "--seed", "0", "--cache-mb", "0.4", "--log-every", "1"],
@@ -155,6 +157,14 @@ def test_tiles_and_trains_out_of_core_under_mpirun_with_psnr_rising(city, tmp_pa
     # of the ranks' 200 steps ran in waves (up to 20 and 14; blocks of at most 100 Gaussians, so
     # that a wave and the step's working memory fit the 0.4 MiB cache).
     assert psnr[200] > psnr[0] + 0.75, psnr
+    # training into the linked copies wrote none of the pristine store's files
+    assert _digests(tmp_path / "s.zarr") == pristine
+    assert _digests(tmp_path / "s200.zarr") != pristine
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _listing(folder: Path) -> list[str]:
