@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from plyfile import PlyData, PlyElement
 
-from train.data import DataConfig, DatasetWarning, load_scene
+from train.data import DataConfig, DatasetError, DatasetWarning, load_scene
 
 POINTS = np.array([[0.0, 0.0, 0.0], [0.5, -0.3, 0.2], [-0.4, 0.6, -0.1], [0.2, 0.2, 0.7]])
 
@@ -124,3 +124,16 @@ def test_ply_point_cloud_is_the_initial_points(tmp_path):
     assert not scene.random_points
     np.testing.assert_allclose(scene.points, POINTS, atol=1e-7)
     np.testing.assert_array_equal(scene.colors[:, 0], [0, 10, 20, 30])
+    cameras_only = load_scene(tmp_path, DataConfig(normalize=False, point_cloud=False))
+    assert cameras_only.points.shape == (0, 3) and not cameras_only.random_points
+    assert [c.name for c in cameras_only.train_cameras] == [c.name for c in scene.train_cameras]
+
+
+def test_cameras_only_neither_reads_nor_checks_the_point_cloud(tmp_path):
+    """The trainer's load (its store holds the Gaussians): a 44 M-point cloud cost it 2.2 GB."""
+    _write_scene(tmp_path, _ring(3), fl_x=30.0, w=32, h=24, ply_file_path="points.ply")
+    (tmp_path / "points.ply").write_bytes(b"not a ply")
+    with pytest.raises(DatasetError, match="points.ply.*unreadable"):
+        load_scene(tmp_path, DataConfig(normalize=False))
+    scene = load_scene(tmp_path, DataConfig(normalize=False, point_cloud=False))
+    assert len(scene.points) == 0 and len(scene.train_cameras) == 2

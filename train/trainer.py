@@ -70,9 +70,9 @@ def default_cache_bytes() -> int:
 
 def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     """Cameras of the dataset moved into the frame the store was tiled in."""
+    # The store holds the Gaussians: the dataset's point cloud is not needed.
     data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False,
-                                           allow_external_images=cfg.allow_external_images))
-    # The store holds the Gaussians: the dataset's point cloud (27 MiB at 744k points) is not kept.
+                                           allow_external_images=cfg.allow_external_images, point_cloud=False))
     data = replace(data, points=np.zeros((0, 3)), colors=np.zeros((0, 3), dtype=np.uint8))
     T = np.asarray(store.attrs.get("world_transform", np.eye(4)), dtype=np.float64)
     train = [c.transformed(T) for c in data.train_cameras]

@@ -23,6 +23,9 @@ class DataConfig:
         wrongly sized image fails at once and not hours into training. Headers only, no pixels.
     random_points: how many points a scene without a point cloud starts from (uniform in its bounds).
     seed: seeds that random initialisation.
+    point_cloud: False for cameras only (the trainer, whose store holds the Gaussians): a
+        transforms.json's point cloud is not read (2.2 GB of transient memory at 44 M points) and
+        no random points are made; COLMAP's points3D is still read, as part of the model it checks.
     allow_external_images: follow image paths that lead out of the dataset (a transforms.json's
         file_path or ply_file_path outside its folder, a COLMAP image name outside images/:
         absolute, or climbing out with '..'); refused by default.
@@ -38,6 +41,7 @@ class DataConfig:
     random_points: int = 100_000
     seed: int = 0
     allow_external_images: bool = False
+    point_cloud: bool = True
 
     def __post_init__(self) -> None:
         if int(self.data_factor) != self.data_factor or self.data_factor < 1:

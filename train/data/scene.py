@@ -79,7 +79,7 @@ def _scene_scale(cameras: list[Camera]) -> float:
 
 def _read_raw(path: Path, cfg: DataConfig) -> RawScene:
     if transforms_file(path).is_file():
-        return read_transforms_scene(path, cfg.allow_external_images)
+        return read_transforms_scene(path, cfg.allow_external_images, cfg.point_cloud)
     if path.suffix == ".json":
         raise DatasetError(path, "transforms file is missing")
     if not path.is_dir():
@@ -131,7 +131,7 @@ def load_scene(path: str | Path, cfg: DataConfig = DataConfig()) -> SceneData:
     if cfg.check_images:
         for cam in cameras:
             _check_image(cam)
-    points, colors, random_points = raw.points, raw.colors, len(raw.points) == 0
+    points, colors, random_points = raw.points, raw.colors, len(raw.points) == 0 and cfg.point_cloud
     if random_points:
         rng = np.random.default_rng(cfg.seed)
         lo, hi = raw.init_box

@@ -127,8 +127,9 @@ def _read_ply(file: Path, ply_path: Path) -> tuple[np.ndarray, np.ndarray]:  # [
     return xyz, rgb
 
 
-def read_transforms_scene(path: Path, allow_external: bool = False) -> RawScene:
-    """allow_external: follow file_path / ply_file_path values outside the dataset folder."""
+def read_transforms_scene(path: Path, allow_external: bool = False, point_cloud: bool = True) -> RawScene:
+    """allow_external: follow file_path / ply_file_path values outside the dataset folder.
+    point_cloud False: cameras only, the ply_file_path is neither read nor checked."""
     file = transforms_file(path)
     try:
         meta = json.loads(read_text(file, TransformsError))
@@ -164,7 +165,7 @@ def read_transforms_scene(path: Path, allow_external: bool = False) -> RawScene:
     names = [v.name for v in views]
     if len(set(names)) != len(names):
         raise TransformsError(file, "two frames name the same file_path")
-    if "ply_file_path" in meta:
+    if "ply_file_path" in meta and point_cloud:
         _check_inside(file, "ply_file_path", "ply_file_path", str(meta["ply_file_path"]), allow_external)
         points, colors = _read_ply(file, file.parent / str(meta["ply_file_path"]))
     else:
