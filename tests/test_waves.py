@@ -113,7 +113,8 @@ def test_a_step_counts_its_working_memory_in_the_budget(wall, tmp_path, monkeypa
     def checked_backprop(projected, back, mode):
         out = backprop(projected, back, mode)
         cache = caches[-1]
-        live = sum(p.numel() * p.element_size() * (1 + (p.grad is not None)) for p in projected.gathered.params.values())
+        params = projected.gathered.params.values()
+        live = sum(p.numel() * p.element_size() * (1 + (p.grad is not None)) for p in params)
         seen.append((live, cache.working_bytes))
         assert cache.nbytes() <= cache.budget
         return out

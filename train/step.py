@@ -416,7 +416,8 @@ def project_waves(
     for w, keys in enumerate(waves):
         cache.pin(keys)
         try:
-            with cache.working(step_bytes(keys, visible, cache, backward=False), f"the projection of wave {w} of the step"):
+            projection = step_bytes(keys, visible, cache, backward=False)
+            with cache.working(projection, f"the projection of wave {w} of the step"):
                 if w + 1 < len(waves):
                     cache.prefetch(waves[w + 1])
                 for k in keys if prepare is not None else ():
@@ -633,8 +634,8 @@ def render_cameras(
         keys = visible[i]
         # a view larger than the cache is projected in waves, as in training
         with ExitStack() as held:
-            owned = project_waves(plan_waves(keys, [keys], cache, backward=False) or [keys], [keys], [cam], cache, sh_degree,
-                                  backend, held, prepare, backward=False).owned
+            waves = plan_waves(keys, [keys], cache, backward=False) or [keys]
+            owned = project_waves(waves, [keys], [cam], cache, sh_degree, backend, held, prepare, backward=False).owned
             mine = {i: owned[0]} if 0 in owned else {}
             outgoing = {(cam_rank[i], i): s for s in mine.values() if cam_rank[i] != rank}
             incoming = exchange.send_splats(outgoing, n_cams)

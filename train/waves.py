@@ -49,14 +49,16 @@ def _views(keys: list[str], visible: list[list[str]]) -> list[int]:  # [len(keys
     return [seen.get(k, 0) for k in keys]
 
 
-def _sizes(keys: list[str], visible: list[list[str]], cache, backward: bool, blocks: bool) -> list[int]:
+def _sizes(keys: list[str], visible: list[list[str]], cache, backward: bool, blocks: bool,
+           views: list[int] | None = None) -> list[int]:
     """Per block of `keys`: its working memory in a step (`blocks`: and its own bytes). Each row
     is gathered once (and its gradients summed, `backward`); each camera that sees the block
-    projects every row, and at most every row gives it a splat."""
+    (`views`: `_views`, when the caller has it) projects every row, and at most every row gives
+    it a splat."""
     params = param_bytes_per_gaussian(cache.store.sh_degree) * (2 if backward else 1)
     row = params + (cache.row_bytes if blocks else 0)
     return [cache.block_rows(k) * (row + n * (PROJECT_ROW_BYTES + SPLAT_STEP_BYTES))
-            for k, n in zip(keys, _views(keys, visible))]
+            for k, n in zip(keys, views if views is not None else _views(keys, visible))]
 
 
 def step_bytes(keys: list[str], visible: list[list[str]], cache, backward: bool = True) -> int:
@@ -96,10 +98,11 @@ def plan_waves(keys: list[str], visible: list[list[str]], cache, backward: bool 
     they and the step's working memory fit the cache at once (`backward` False: a forward-only
     pass, which needs less). The waves leave room for the splats every wave holds until the
     step ends, as many as the views could give, where the blocks allow it."""
-    sizes = _sizes(keys, visible, cache, backward, blocks=True)
+    views = _views(keys, visible)
+    sizes = _sizes(keys, visible, cache, backward, blocks=True, views=views)
     if sum(sizes) <= cache.budget:
         return None
-    room = cache.budget - sum(cache.block_rows(k) * n for k, n in zip(keys, _views(keys, visible))) * SPLAT_STEP_BYTES
+    room = cache.budget - sum(cache.block_rows(k) * n for k, n in zip(keys, views)) * SPLAT_STEP_BYTES
     # Where that leaves less than the largest block, the smallest waves leave the splats the most
     # room; they may still fit, fewer than the bound: `check_splats` counts them as they come.
     room = max(room, max(sizes))
