@@ -204,13 +204,19 @@ def test_pinned_blocks_are_never_evicted_and_overcommit_is_an_error(tmp_path: Pa
     cache.close()
 
 
-def test_working_memory_counts_against_the_budget_until_released(tmp_path: Path) -> None:
+def _one_pinned_beside_one_cached(tmp_path: Path, budget: int) -> BlockCache:
+    """Blocks 2-0 and 2-1 (400 rows each) cached, 2-1 pinned; 2-2 and 2-3 (200 rows) in the store."""
     store, _ = make_store(tmp_path / "s.zarr", [400, 400, 200, 200])
-    budget = 1000 * ROW
     cache = BlockCache(store, budget)
     for k in ("2-0", "2-1"):
         cache.get(k)
     cache.pin(["2-1"])
+    return cache
+
+
+def test_working_memory_counts_against_the_budget_until_released(tmp_path: Path) -> None:
+    budget = 1000 * ROW
+    cache = _one_pinned_beside_one_cached(tmp_path, budget)
     with cache.working(300 * ROW, "a step's buffers"):
         # room was made as for a block: the least recently used unpinned block went
         assert [b.key for b in cache.resident()] == ["2-1"] and cache.stats.evictions == 1
@@ -236,12 +242,8 @@ def test_working_memory_counts_against_the_budget_until_released(tmp_path: Path)
 
 def test_unbounded_working_memory_evicts_what_it_can_and_counts_the_rest_over_the_budget(tmp_path: Path) -> None:
     """strict=False (a rasterizer's lists): never refused, but nothing loads into it meanwhile."""
-    store, _ = make_store(tmp_path / "s.zarr", [400, 400, 200, 200])
     budget = 1000 * ROW
-    cache = BlockCache(store, budget)
-    for k in ("2-0", "2-1"):
-        cache.get(k)
-    cache.pin(["2-1"])
+    cache = _one_pinned_beside_one_cached(tmp_path, budget)
     with cache.working(200 * ROW, "raster", strict=False):  # fits beside both blocks: nothing goes
         assert cache.stats.evictions == 0 and cache.nbytes() == budget
     with cache.working(900 * ROW, "raster", strict=False):
