@@ -30,6 +30,15 @@ def test_split_is_every_eighth_in_name_order(lund, shared_data):
     assert not none.test_cameras and len(none.train_cameras) == 12
 
 
+def test_cameras_only_of_a_colmap_model_are_its_cameras_in_its_frame_without_points(lund, shared_data, tmp_path):
+    only = load_scene(shared_data / "lund_door", DataConfig(data_factor=4, cache_dir=tmp_path, point_cloud=False))
+    assert only.points.shape == (0, 3) and only.colors.shape == (0, 3) and not only.random_points
+    assert len(lund.points) > 1000  # the full load keeps them, and normalised both by them
+    for a, b in zip(only.train_cameras + only.test_cameras, lund.train_cameras + lund.test_cameras, strict=True):
+        assert a.name == b.name
+        np.testing.assert_array_equal(a.viewmat, b.viewmat)
+
+
 def test_undistorted_intrinsics_at_factor(lund):
     cam = lund.train_cameras[0]
     src = cam.extra["image"]

@@ -10,7 +10,7 @@ import time
 import warnings
 from contextlib import ExitStack
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +73,6 @@ def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     # The store holds the Gaussians: the dataset's point cloud is not needed.
     data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False,
                                            allow_external_images=cfg.allow_external_images, point_cloud=False))
-    data = replace(data, points=np.zeros((0, 3)), colors=np.zeros((0, 3), dtype=np.uint8))
     T = np.asarray(store.attrs.get("world_transform", np.eye(4)), dtype=np.float64)
     train = [c.transformed(T) for c in data.train_cameras]
     test = [c.transformed(T) for c in data.test_cameras]

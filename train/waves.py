@@ -49,22 +49,19 @@ def _views(keys: list[str], visible: list[list[str]]) -> list[int]:  # [len(keys
     return [seen.get(k, 0) for k in keys]
 
 
-def _sizes(keys: list[str], visible: list[list[str]], cache, backward: bool, blocks: bool,
-           views: list[int] | None = None) -> list[int]:
+def _sizes(keys: list[str], views: list[int], cache, backward: bool, blocks: bool) -> list[int]:
     """Per block of `keys`: its working memory in a step (`blocks`: and its own bytes). Each row
-    is gathered once (and its gradients summed, `backward`); each camera that sees the block
-    (`views`: `_views`, when the caller has it) projects every row, and at most every row gives
-    it a splat."""
+    is gathered once (and its gradients summed, `backward`); each of the block's `views` (the
+    cameras that see it, `_views`) projects every row, and at most every row gives it a splat."""
     params = param_bytes_per_gaussian(cache.store.sh_degree) * (2 if backward else 1)
     row = params + (cache.row_bytes if blocks else 0)
-    return [cache.block_rows(k) * (row + n * (PROJECT_ROW_BYTES + SPLAT_STEP_BYTES))
-            for k, n in zip(keys, views if views is not None else _views(keys, visible))]
+    return [cache.block_rows(k) * (row + n * (PROJECT_ROW_BYTES + SPLAT_STEP_BYTES)) for k, n in zip(keys, views)]
 
 
 def step_bytes(keys: list[str], visible: list[list[str]], cache, backward: bool = True) -> int:
     """The working memory a step, or a wave, over blocks `keys` reserves beside them while it runs
     (`visible`: each camera's blocks; `backward`: the pass backpropagates)."""
-    return sum(_sizes(keys, visible, cache, backward, blocks=False))
+    return sum(_sizes(keys, _views(keys, visible), cache, backward, blocks=False))
 
 
 def raster_bytes(splats: int, received: int, width: int, height: int) -> int:
@@ -75,7 +72,7 @@ def raster_bytes(splats: int, received: int, width: int, height: int) -> int:
 
 def wave_bytes(keys: list[str], visible: list[list[str]], cache, backward: bool = True) -> int:
     """What a wave over blocks `keys` takes of the budget: its blocks and its working memory."""
-    return sum(_sizes(keys, visible, cache, backward, blocks=True))
+    return sum(_sizes(keys, _views(keys, visible), cache, backward, blocks=True))
 
 
 def split_waves(sizes: list[int], budget: int) -> list[tuple[int, int]]:  # [(start, stop)] of sizes
@@ -99,7 +96,7 @@ def plan_waves(keys: list[str], visible: list[list[str]], cache, backward: bool 
     pass, which needs less). The waves leave room for the splats every wave holds until the
     step ends, as many as the views could give, where the blocks allow it."""
     views = _views(keys, visible)
-    sizes = _sizes(keys, visible, cache, backward, blocks=True, views=views)
+    sizes = _sizes(keys, views, cache, backward, blocks=True)
     if sum(sizes) <= cache.budget:
         return None
     room = cache.budget - sum(cache.block_rows(k) * n for k, n in zip(keys, views)) * SPLAT_STEP_BYTES

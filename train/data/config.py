@@ -25,7 +25,8 @@ class DataConfig:
     seed: seeds that random initialisation.
     point_cloud: False for cameras only (the trainer, whose store holds the Gaussians): a
         transforms.json's point cloud is not read (2.2 GB of transient memory at 44 M points) and
-        no random points are made; COLMAP's points3D is still read, as part of the model it checks.
+        no random points are made; COLMAP's points3D is still read, as part of the model it checks,
+        but not returned.
     allow_external_images: follow image paths that lead out of the dataset (a transforms.json's
         file_path or ply_file_path outside its folder, a COLMAP image name outside images/:
         absolute, or climbing out with '..'); refused by default.

@@ -142,6 +142,8 @@ def load_scene(path: str | Path, cfg: DataConfig = DataConfig()) -> SceneData:
         T = normalize_world(c2w, None if random_points else raw.points)
     else:
         T = np.eye(4)
+    if not cfg.point_cloud:  # cameras only; a COLMAP model's points were read to check it, and go here
+        points, colors = np.zeros((0, 3)), np.zeros((0, 3), np.uint8)
     is_test = [cfg.test_every > 0 and i % cfg.test_every == 0 for i in range(len(cameras))]
     scene = SceneData(
         train_cameras=[c for c, t in zip(cameras, is_test) if not t],
