@@ -8,16 +8,9 @@ import sys
 # numba's and torch's OpenMP pools spin-wait by default and then fight over the same cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from storage import StoreError
 from train.config import ConfigError, parse_config
-from train.data import DatasetError
-from train.render import RenderError
 from train.render.cpu.compiled import ensure_compiled
-from train.trainer import TrainError, run
-
-# OSError: a full disk or a lost mount outside the store's own writes (logs, renders, a commit
-# document); its message names the file, and the store keeps its last commit.
-_EXPECTED = (TrainError, DatasetError, StoreError, RenderError, OSError)
+from train.trainer import EXPECTED_ERRORS, SetupError, run
 _INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
@@ -44,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main_mpi(cfg)
     try:
         summary = run(cfg)
-    except _EXPECTED as e:
+    except EXPECTED_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -78,10 +71,14 @@ def _main_mpi(cfg) -> int:
     comm = MPI.COMM_WORLD
     try:
         summary = run(cfg, MPIExchange(comm))
+    except SetupError as e:  # every rank raised it: each exits, and no output is cut off
+        if comm.Get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as e:  # noqa: BLE001 - any failure must take every rank down, never hang
-        what = f"error: {e}" if isinstance(e, _EXPECTED) else f"error: {type(e).__name__}: {e}"
+        what = f"error: {e}" if isinstance(e, EXPECTED_ERRORS) else f"error: {type(e).__name__}: {e}"
         print(f"rank {comm.Get_rank()}: {what}", file=sys.stderr, flush=True)
-        if not isinstance(e, (*_EXPECTED, KeyboardInterrupt)):
+        if not isinstance(e, (*EXPECTED_ERRORS, KeyboardInterrupt)):
             import traceback
 
             traceback.print_exc(file=sys.stderr)

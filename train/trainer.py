@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from storage import CacheBudgetError, Store
+from storage import CacheBudgetError, Store, StoreError
 from storage.cache import BlockCache
 from storage.schema import bytes_per_gaussian
 from train import layout
 from train.camera import Camera
 from train.config import TrainConfig
-from train.data import DataConfig, load_scene
+from train.data import DataConfig, DatasetError, load_scene
 from train.densify import Densifier
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
@@ -32,6 +32,7 @@ from train.lpips import load_lpips
 from train.occlusion import OcclusionCuller
 from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
+from train.render import RenderError
 from train.schedule import Schedule
 from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
 from train.waves import plan_waves, step_bytes
@@ -39,6 +40,19 @@ from train.waves import plan_waves, step_bytes
 
 class TrainError(RuntimeError):
     """A run that cannot start or continue; the message says why and what to do."""
+
+
+class SetupError(TrainError):
+    """A run that could not start on some rank, raised on every rank after they agreed on it
+    (`messages`: rank -> why), so the job ends with every rank's exit and its message is written
+    out in full: an MPI_Abort from one rank can kill the others' output before it is read."""
+
+    def __init__(self, messages: dict[int, str]) -> None:
+        first = min(messages)
+        others = "" if len(messages) == 1 else f" (and on {len(messages) - 1} other ranks)"
+        alike = len(set(messages.values())) == 1
+        super().__init__(messages[first] if alike else f"rank {first}: {messages[first]}{others}")
+        self.messages = messages
 
 
 @dataclass
@@ -155,6 +169,8 @@ class Trainer:
             raise TrainError(missing)
         self.exchange = exchange = exchange or LocalExchange()
         self.rank, self.size = exchange.rank, exchange.size
+        if cfg.occlusion == "on" and self.size > 1:
+            raise TrainError(f"--occlusion on runs on one rank for now, not {self.size}: use --occlusion off under MPI")
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -197,8 +213,6 @@ class Trainer:
         self.log = RunLog(self.out, self.rank, self.size, cfg.tensorboard)
         self._lpips: tuple | None = None  # (metric or None, why it is skipped or None), from the first evaluation
         self.lazy = LazyDense(self.adam, cfg.steps, scene.scene_scale) if cfg.adam == "dense" else None
-        if cfg.occlusion == "on" and self.size > 1:
-            raise TrainError(f"--occlusion on runs on one rank for now, not {self.size}: use --occlusion off under MPI")
         self.occlusion = OcclusionCuller(bytes_per_gaussian(store.sh_degree)) if cfg.occlusion == "on" else None
         self.densifier = Densifier(cfg.densify, store, self.cache, exchange, scene.scene_scale, cfg.seed,
                                    set(store.state.get("refine_pending", [])), self.catch_up,
@@ -480,9 +494,28 @@ def check_strategy(cfg: TrainConfig, store: Store) -> None:
         raise TrainError(f"--cap-max {d.cap_max} is below the {total} Gaussians {cfg.store} holds already")
 
 
+# What a run can refuse with a message; anything else is a bug. OSError: a full disk or a lost
+# mount outside the store's own writes (logs, renders, a commit document); its message names the
+# file, and the store keeps its last commit.
+EXPECTED_ERRORS = (TrainError, DatasetError, StoreError, RenderError, OSError)
+
+
 def run(cfg: TrainConfig, exchange: Exchange | None = None) -> dict:
     """Train; returns the summary dict that is also printed and written as summary.json."""
-    return Trainer(cfg, exchange).run()
+    exchange = exchange or LocalExchange()
+    if exchange.size == 1:
+        return Trainer(cfg, exchange).run()
+    trainer, why = None, None
+    try:  # the setup has no collectives, so each rank gets here and the ranks agree below
+        trainer = Trainer(cfg, exchange)
+    except EXPECTED_ERRORS as e:  # anything else takes the job down at once
+        why = str(e)
+    failed = {r: m for r, m in enumerate(exchange.allgather(why)) if m is not None}
+    if failed:
+        if trainer is not None:
+            trainer.close()
+        raise SetupError(failed)
+    return trainer.run()
 
 
 def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[float, float]:
