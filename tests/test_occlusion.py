@@ -11,6 +11,7 @@ differs, by design, is the densification statistics of Gaussians a camera did no
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ import torch
 from octree.order import box_depths, box_footprints, front_to_back
 from storage import Store
 from storage.cache import BlockCache
+from tests.helpers.layout import assert_same_blocks, rank_free_state
 from tools.scenes.walled import (
     HIDDEN,
     SEEN,
@@ -35,6 +37,7 @@ from tools.scenes.walled import (
 from train.camera import Camera
 from train.config import ConfigError, TrainConfig
 from train.densify.config import DensifyConfig
+from train.exchange import LocalExchange
 from train.occlusion import DepthPyramid, OcclusionCuller
 from train.region import Region
 from train.render import project, render
@@ -162,7 +165,7 @@ def test_culling_keeps_the_image_gradients_and_contributions(walled):
     left = blocks_within(store.table, HIDDEN[0])
     with BlockCache(store, 1 << 30) as cache:
         for cam in walled.cameras:
-            c = culler.cull_camera(cam, region, cache, 0, torch.zeros(3))
+            (c,), _ = culler.cull([cam], [0], region, region, cache, LocalExchange(), 0, torch.zeros(3))
             culled = [k for k in c.frustum if k not in c.kept]
             culled_any.update(culled)
             assert not set(seen) & set(culled), cam.name
@@ -217,10 +220,10 @@ def _train_steps(cfg: TrainConfig, monkeypatch) -> tuple[list[str], list[dict], 
     if trainer.occlusion is not None:
         cull = trainer.occlusion.cull
 
-        def recording(cams, region, *args):
-            kept, report = cull(cams, region, *args)
-            culled.update(k for c, kk in zip(cams, kept) for k in set(region.visible(c)) - set(kk))
-            return kept, report
+        def recording(cams, cam_rank, world, owned, *args):
+            culls, report = cull(cams, cam_rank, world, owned, *args)
+            culled.update(k for cam, c in zip(cams, culls) for k in set(owned.visible(cam)) - set(c.kept))
+            return culls, report
 
         trainer.occlusion.cull = recording
     metrics = []
@@ -297,16 +300,75 @@ def test_occlusion_refuses_what_it_would_change(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --occlusion on with --strategy mcmc")
 
 
+def _mpi_train(n: int, walled, store: Path, out: Path, *options: str) -> None:
+    """`python -m train` on n ranks (one process without mpirun), a global batch of 4 cameras."""
+    cmd = [sys.executable, "-m", "train", "--data", str(walled.data), "--store", str(store), "--out", str(out),
+           "--steps", "8", "--batch-size", str(4 // n), "--adam", "contributed", "--log-every", "1", "--no-progress",
+           "--deterministic", *options]
+    proc = subprocess.run(([MPIRUN, "-n", str(n)] if n > 1 else []) + cmd, capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _occlusion_per_step(out: Path) -> dict[int, dict[str, int]]:
+    """The culling figures of each step, summed over the ranks' metrics files."""
+    steps: dict[int, dict[str, int]] = {}
+    for f in sorted(out.glob("metrics*.jsonl")):
+        for record in map(json.loads, f.read_text().splitlines()):
+            if record["kind"] == "train":
+                into = steps.setdefault(record["step"], {})
+                for k, v in record.items():
+                    if k.startswith("occ_"):
+                        into[k] = into.get(k, 0) + v
+    return steps
+
+
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
-def test_occlusion_under_mpi_is_a_clear_error(walled, tmp_path):
-    """Culling across ranks (rounds of requests for what is still unsaturated) is not built: two
-    ranks refuse it before touching the store."""
+def test_culling_under_mpi_is_the_single_process_culling(walled, tmp_path):
+    """The pass's rounds under `mpirun -n 2` and `-n 4` (each rank projects its owned blocks of
+    each wave for the camera's rank; the verdicts go to every rank) keep what one process keeps,
+    camera for camera: the culling figures summed over the ranks, and every block after 8 steps
+    with two refinements (splits, Gaussians migrating, a rebalance after each), densification
+    statistics included, are bit for bit the single process's. Without densification, 4 ranks
+    with culling train what one process trains without it (all but the statistics)."""
+    densify = ["--strategy", "default", "--refine-start-iter", "2", "--refine-every", "3", "--grow-grad2d", "5e-5",
+               "--rebalance-above", "1.0"]
+    stores = {}
+    for n in (1, 2, 4):
+        stores[n] = _copy(walled.store, tmp_path, f"r{n}.zarr")
+        _mpi_train(n, walled, stores[n], tmp_path / f"out{n}", "--occlusion", "on", *densify)
+    figures = {n: _occlusion_per_step(tmp_path / f"out{n}") for n in stores}
+    ref = Store.open(stores[1], mode="r")
+    refines = [json.loads(l) for l in (tmp_path / "out1" / "metrics.jsonl").read_text().splitlines() if '"refine"' in l]
+    assert len(refines) == 2 and all(r["split"] > 0 and r["migrated_out"] > 0 for r in refines)
+    start = sum(i.count for i in Store.open(walled.store, mode="r").table.values())
+    assert sum(i.count for i in ref.table.values()) == refines[-1]["gaussians"] > start
+    sent = {}
+    for n in (2, 4):
+        other = Store.open(stores[n], mode="r")
+        assert rank_free_state(other.state) == rank_free_state(ref.state)
+        assert_same_blocks(ref, other, f"{n} ranks")
+        assert figures[n].keys() == figures[1].keys() == set(range(1, 9))
+        sent[n] = sum(f.pop("occ_bytes_sent") for f in figures[n].values())
+        assert figures[n] == {s: {k: v for k, v in f.items() if k != "occ_bytes_sent"} for s, f in figures[1].items()}
+    assert all(f["occ_kept_gaussians"] < f["occ_frustum_gaussians"] for f in figures[1].values())
+    assert 0 < sent[2] < sent[4]  # the waves' splats crossed ranks, more of them on more ranks
+    off, on = _copy(walled.store, tmp_path, "off.zarr"), _copy(walled.store, tmp_path, "on4.zarr")
+    _mpi_train(1, walled, off, tmp_path / "off", "--occlusion", "off", "--strategy", "none")
+    _mpi_train(4, walled, on, tmp_path / "on4", "--occlusion", "on", "--strategy", "none")
+    _assert_same_but_statistics(_arrays(off), _arrays(on), set())
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")
+def test_a_setup_error_under_mpi_is_written_out_whole_and_the_store_is_untouched(walled, tmp_path):
+    """Every rank refuses the run before it starts (`--sh-degree` beyond the store's), agrees on
+    it and exits: the message reaches the terminal (an MPI_Abort can kill it in the pipe)."""
     store = _copy(walled.store, tmp_path, "mpi.zarr")
     before = {k: v.version for k, v in Store.open(store, mode="r").table.items()}
     proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "train", "--data", str(walled.data), "--store",
-                           str(store), "--out", str(tmp_path / "out"), "--steps", "2", "--occlusion", "on",
-                           "--adam", "contributed", "--strategy", "none", "--no-progress"], capture_output=True, text=True, cwd=REPO,
+                           str(store), "--out", str(tmp_path / "out"), "--steps", "2", "--sh-degree", "2",
+                           "--no-progress"], capture_output=True, text=True, cwd=REPO,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "error: --occlusion on runs on one rank for now, not 2" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: --sh-degree 2: the store holds SH up to degree 0"]
     assert {k: v.version for k, v in Store.open(store, mode="r").table.items()} == before

@@ -11,6 +11,15 @@ until a wave leaves every pixel unsaturated. A wave is the nearest block left an
 starting less than `SLAB` times as deep. How many waves run changes only what is dropped, never
 the result.
 
+Under MPI the pass runs in rounds every rank takes together, one per wave: each rank projects its
+owned blocks of each camera's wave and sends the splats to the rank that renders the camera
+(`Exchange.send_splats`, as the step does), which rasterizes everything its camera has received
+so far and judges every block of the frustum, whoever owns it; the verdicts (blocks dropped, pass
+done) go to every rank (`allgather`). Each rank holds every camera's pass state and every block's
+current extent (the trainer passes the extents each step changed around), so each derives the
+next wave by itself, and the waves, hence what is kept, are those of one process holding every
+block: at most `max_waves` rounds of two collectives a step.
+
 Why the result is the same image and the same gradients. Adding splats to a pixel can only make
 it saturate sooner (every factor 1 - alpha is at most 1 and float multiplication is monotone), so
 the saturation depth a wave measures is at least the one of the full frustum. A dropped block's
@@ -38,8 +47,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from octree.order import box_depths, box_footprints, front_to_back
+from octree.order import Footprints, box_depths, box_footprints, front_to_back
 from train.camera import Camera
+from train.exchange import Exchange
 from train.region import Region
 from train.render import Splats2D, rasterize
 from train.step import gather, project_owned
@@ -86,16 +96,35 @@ class DepthPyramid:
 
 @dataclass
 class CameraCull:
-    kept: list[str]  # blocks that may change the image, Morton order
-    frustum: list[str]  # blocks in the frustum, Morton order
-    waves: int  # rasterizations of the pass
-    wave_blocks: int  # blocks the pass paged and projected
+    """One camera's culling as one rank sees it: its owned blocks (all of them on one rank)."""
+
+    kept: list[str]  # owned blocks that may change the image, Morton order
+    frustum: list[str]  # owned blocks in the frustum, Morton order
+    waves: int  # rasterizations of the pass (counted on the camera's rank, 0 elsewhere)
+    wave_blocks: int  # owned blocks this rank paged and projected in the pass
+
+
+@dataclass
+class _Pass:
+    """One camera's pass, held alike on every rank: each decides the next wave by itself, and only
+    what the camera's rank measures (which blocks its saturation depths drop) travels."""
+
+    order: np.ndarray  # [F] world rows of the frustum's blocks, nearest first
+    foot: Footprints  # of order's boxes
+    alive: np.ndarray  # [F] bool: not dropped
+    rendered: np.ndarray  # [F] bool: in some wave already
+    done: bool = False  # no wave left, or the last left every pixel unsaturated
+    waves: int = 0
+
+    def pending(self) -> np.ndarray:  # -> [P] positions in order, nearest first
+        return np.flatnonzero(self.alive & ~self.rendered)
 
 
 @dataclass
 class OcclusionReport:
-    """One step's culling, summed over its cameras (blocks and Gaussians per camera, so a block
-    two cameras see counts twice); bytes over the union of the cameras' blocks."""
+    """One rank's culling of a step, over its owned blocks, summed over the step's cameras (blocks
+    and Gaussians per camera, so a block two cameras see counts twice; bytes over the union of
+    the cameras' blocks): summed over the ranks, the figures of one rank holding every block."""
 
     frustum_blocks: int = 0
     frustum_gaussians: int = 0
@@ -104,6 +133,7 @@ class OcclusionReport:
     bytes_not_read: int = 0  # block bytes in some frustum that the step did not page
     waves: int = 0
     wave_blocks: int = 0
+    bytes_sent: int = 0  # splats the pass's rounds sent to other ranks
 
     def fields(self) -> dict[str, int]:
         return {f"occ_{k}": v for k, v in vars(self).items()}
@@ -121,10 +151,10 @@ class OcclusionCuller:
         self.max_waves = max_waves
         self.last: dict[str, list[str]] = {}  # camera name -> its kept blocks when last culled
 
-    def _nearest_first(self, camera: Camera, region: Region) -> np.ndarray:  # -> [F] region rows
-        row = {k: i for i, k in enumerate(region.keys)}
-        frustum = np.array([row[k] for k in region.visible(camera)], dtype=np.int64)  # what the step would page
-        return frustum[front_to_back(region.extents[frustum], camera.viewmat)]
+    def _nearest_first(self, camera: Camera, world: Region) -> np.ndarray:  # -> [F] world rows
+        row = {k: i for i, k in enumerate(world.keys)}
+        frustum = np.array([row[k] for k in world.visible(camera)], dtype=np.int64)  # what the step would page
+        return frustum[front_to_back(world.extents[frustum], camera.viewmat)]
 
     def _wave(self, pending: np.ndarray, depth: np.ndarray) -> np.ndarray:  # [P] sorted by depth, [F] -> [W]
         """The next wave: the nearest pending block and every other one starting less than `SLAB`
@@ -136,88 +166,116 @@ class OcclusionCuller:
         threshold = limit * self.SLAB if limit > 0 else 0.0
         return pending[: max(1, int(np.searchsorted(depth[pending], threshold, side="right")))]
 
-    def prefetch_keys(self, cameras: list[Camera], region: Region) -> list[str]:
-        """Blocks to prefetch for these cameras: each one's last kept set, else its first wave."""
+    def prefetch_keys(self, cameras: list[Camera], world: Region, owned: Region) -> list[str]:
+        """Owned blocks to prefetch for these cameras: each one's last kept set, else its first wave."""
         keys: list[list[str]] = []
         for cam in cameras:
             if cam.name in self.last:
                 keys.append(self.last[cam.name])
             else:
-                order = self._nearest_first(cam, region)
-                depth = box_depths(region.extents[order], cam.viewmat)
-                keys.append([region.keys[i] for i in order[self._wave(np.arange(len(order)), depth)]])
-        return region.union(keys)
+                order = self._nearest_first(cam, world)
+                depth = box_depths(world.extents[order], cam.viewmat)
+                keys.append([world.keys[i] for i in order[self._wave(np.arange(len(order)), depth)]])
+        return owned.union(keys)
+
+    def _start(self, camera: Camera, world: Region) -> _Pass:
+        order = self._nearest_first(camera, world)
+        foot = box_footprints(world.extents[order], camera.viewmat, camera.K, camera.width, camera.height)
+        return _Pass(order, foot, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool))
+
+    @staticmethod
+    def _project(keys: list[str], camera: Camera, cache, sh_degree: int, backend: str) -> Splats2D | None:
+        cache.pin(keys)
+        try:
+            g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
+            projected = list(project_owned(g, [keys], [camera], sh_degree, backend).splats.values())
+        finally:
+            cache.unpin(keys)
+        return Splats2D.cat(projected) if projected else None
+
+    @staticmethod
+    def _judge(p: _Pass, parts: list[Splats2D], camera: Camera, background: Tensor, backend: str
+               ) -> tuple[np.ndarray, bool]:
+        """The camera's rank, after a wave that drew something: the positions (in p.order) that the
+        saturation depths of every wave so far drop, and whether the pass is done."""
+        sat = rasterize(Splats2D.cat(parts), camera, background, backend=backend).sat_depth.cpu().numpy()
+        if not np.isfinite(sat).any():  # nothing this translucent drops a block soon: more waves would only read
+            return np.zeros(0, dtype=np.int64), True
+        pyramid = DepthPyramid(sat)
+        test = np.flatnonzero(p.alive & p.foot.bounded)
+        return test[p.foot.near[test] > pyramid.max_over(p.foot.rects[test])], False
 
     @torch.no_grad()
-    def cull_camera(
-        self,
-        camera: Camera,
-        region: Region,
-        cache,  # storage.BlockCache
-        sh_degree: int,
-        background: Tensor,  # [3]
-        backend: str = "cpu",
-    ) -> CameraCull:
-        order = self._nearest_first(camera, region)
-        foot = box_footprints(region.extents[order], camera.viewmat, camera.K, camera.width, camera.height)
-        alive = np.ones(len(order), dtype=bool)
-        rendered = np.zeros(len(order), dtype=bool)
-        parts: list[Splats2D] = []
-        waves = 0
-        for _ in range(self.max_waves):
-            pending = np.flatnonzero(alive & ~rendered)
-            if len(pending) == 0:
-                break
-            take = self._wave(pending, foot.depth)
-            keys = [region.keys[i] for i in order[take]]
-            cache.pin(keys)
-            try:
-                g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
-                projected = project_owned(g, [keys], [camera], sh_degree, backend).splats
-            finally:
-                cache.unpin(keys)
-            drawn = sum(len(p) for p in projected.values())
-            parts.extend(projected.values())
-            rendered[take] = True
-            if drawn == 0:
-                continue  # the wave lands nowhere in the image (a block around the camera, say)
-            waves += 1
-            sat = rasterize(Splats2D.cat(parts), camera, background, backend=backend).sat_depth.cpu().numpy()
-            if not np.isfinite(sat).any():
-                break  # no pixel saturates: nothing this translucent drops a block soon, more waves would only read
-            pyramid = DepthPyramid(sat)
-            test = np.flatnonzero(alive & foot.bounded)
-            alive[test[foot.near[test] > pyramid.max_over(foot.rects[test])]] = False
-        kept = sorted(order[alive].tolist())  # region rows are in Morton order
-        result = CameraCull([region.keys[i] for i in kept], [region.keys[i] for i in sorted(order.tolist())],
-                            waves, int(rendered.sum()))
-        self.last[camera.name] = result.kept
-        return result
-
     def cull(
         self,
         cameras: list[Camera],
-        region: Region,
-        cache,
+        cam_rank: list[int],  # the rank that renders each camera
+        world: Region,  # every block of the store, with current extents (the same on every rank)
+        owned: Region,  # this rank's blocks
+        cache,  # storage.BlockCache
+        exchange: Exchange,
         sh_degree: int,
         background: Tensor,  # [3]
         backend: str = "cpu",
-    ) -> tuple[list[list[str]], OcclusionReport]:
-        """Per camera the owned blocks that may change its image (Morton order), and the report."""
-        counts = dict(zip(region.keys, region.counts.tolist()))
-        report = OcclusionReport()
-        kept: list[list[str]] = []
-        frustum: set[str] = set()
-        for cam in cameras:
-            c = self.cull_camera(cam, region, cache, sh_degree, background, backend)
-            kept.append(c.kept)
-            frustum.update(c.frustum)
+    ) -> tuple[list[CameraCull], OcclusionReport]:
+        """The pass of every camera of the step, in rounds every rank runs together: each rank
+        projects its owned blocks of each camera's wave and sends them to the camera's rank
+        (`send_splats`), which rasterizes them forward only and judges the blocks; the verdicts go
+        to every rank (`allgather`), and the next wave follows from them alike everywhere. At most
+        `max_waves` rounds of two collectives; the waves, and so what is kept, are the same on any
+        number of ranks."""
+        rank, mine = exchange.rank, set(owned.keys)
+        passes = [self._start(cam, world) for cam in cameras]
+        drawn: dict[int, list[Splats2D]] = {i: [] for i, r in enumerate(cam_rank) if r == rank}
+        wave_blocks = [0] * len(cameras)
+        sent = exchange.bytes_sent
+        for _ in range(self.max_waves):
+            waves: dict[int, np.ndarray] = {}
+            for i, p in enumerate(passes):
+                pending = np.array([], dtype=np.int64) if p.done else p.pending()
+                p.done = len(pending) == 0
+                if not p.done:
+                    waves[i] = self._wave(pending, p.foot.depth)
+            if not waves:
+                break
+            projected: dict[int, Splats2D] = {}
+            for i, take in waves.items():
+                passes[i].rendered[take] = True
+                keys = [k for k in (world.keys[j] for j in passes[i].order[take]) if k in mine]
+                wave_blocks[i] += len(keys)
+                if keys and (s := self._project(keys, cameras[i], cache, sh_degree, backend)) is not None:
+                    projected[i] = s
+            incoming = exchange.send_splats({(cam_rank[i], i): s for i, s in projected.items() if cam_rank[i] != rank},
+                                            len(cameras))
+            verdicts: dict[int, tuple[np.ndarray, bool]] = {}
+            for i in (i for i in waves if cam_rank[i] == rank):
+                wave = sorted([*incoming.get(i, []), *([(rank, projected[i])] if i in projected else [])],
+                              key=lambda part: part[0])
+                if sum(len(s) for _, s in wave):  # else the wave lands nowhere in the image (a block around the camera)
+                    drawn[i].extend(s for _, s in wave)
+                    verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], background, backend)
+            for theirs in exchange.allgather(verdicts):
+                for i, (dropped, done) in theirs.items():
+                    passes[i].alive[dropped] = False
+                    passes[i].done |= done
+                    passes[i].waves += 1
+        culls = []
+        for i, (cam, p) in enumerate(zip(cameras, passes)):
+            self.last[cam.name] = [world.keys[j] for j in sorted(p.order[p.alive].tolist())]  # world rows: Morton order
+            culls.append(CameraCull(owned.union([self.last[cam.name]]), owned.union([[world.keys[j] for j in p.order]]),
+                                    p.waves if cam_rank[i] == rank else 0, wave_blocks[i]))
+        return culls, self._report(culls, owned, exchange.bytes_sent - sent)
+
+    def _report(self, culls: list[CameraCull], owned: Region, sent: int) -> OcclusionReport:
+        counts = dict(zip(owned.keys, owned.counts.tolist()))
+        report = OcclusionReport(bytes_sent=sent)
+        for c in culls:
             report.frustum_blocks += len(c.frustum)
             report.frustum_gaussians += sum(counts[k] for k in c.frustum)
             report.kept_blocks += len(c.kept)
             report.kept_gaussians += sum(counts[k] for k in c.kept)
             report.waves += c.waves
             report.wave_blocks += c.wave_blocks
-        unread = frustum - set().union(*kept)
+        unread = set().union(*(c.frustum for c in culls)) - set().union(*(c.kept for c in culls))
         report.bytes_not_read = sum(counts[k] for k in unread) * self.bytes_per_gaussian
-        return kept, report
+        return report

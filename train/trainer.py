@@ -169,8 +169,6 @@ class Trainer:
             raise TrainError(missing)
         self.exchange = exchange = exchange or LocalExchange()
         self.rank, self.size = exchange.rank, exchange.size
-        if cfg.occlusion == "on" and self.size > 1:
-            raise TrainError(f"--occlusion on runs on one rank for now, not {self.size}: use --occlusion off under MPI")
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed)
@@ -204,7 +202,8 @@ class Trainer:
             self.ownership = Ownership.current(store.state, store.table, self.size, scene.train)
         except ValueError as e:
             raise TrainError(f"store {cfg.store}: {e}") from e
-        self.region = Region.from_table(store.table, self.ownership.keys_of(store.table, self.rank))
+        self.occlusion = OcclusionCuller(bytes_per_gaussian(store.sh_degree)) if cfg.occlusion == "on" else None
+        self._set_regions(store.table)
         check_overlap(Region.from_table(store.table), scene, store, cfg)
         self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
         self.cache = BlockCache(store, self.budget, self.device)
@@ -213,7 +212,6 @@ class Trainer:
         self.log = RunLog(self.out, self.rank, self.size, cfg.tensorboard)
         self._lpips: tuple | None = None  # (metric or None, why it is skipped or None), from the first evaluation
         self.lazy = LazyDense(self.adam, cfg.steps, scene.scene_scale) if cfg.adam == "dense" else None
-        self.occlusion = OcclusionCuller(bytes_per_gaussian(store.sh_degree)) if cfg.occlusion == "on" else None
         self.densifier = Densifier(cfg.densify, store, self.cache, exchange, scene.scene_scale, cfg.seed,
                                    set(store.state.get("refine_pending", [])), self.catch_up,
                                    every_block=self.lazy is not None)
@@ -229,6 +227,12 @@ class Trainer:
         self.bar = progress_bar(cfg.steps, start, enabled=cfg.progress and self.rank == 0)
         self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
         self.skipped = self.skipped_in_row = 0  # steps skipped for a non-finite loss or gradient
+
+    def _set_regions(self, table: dict) -> None:
+        """This rank's region and, for the culling pass under MPI, every block with its extent
+        (each rank's steps move its own; `train` passes the new extents around)."""
+        self.region = Region.from_table(table, self.ownership.keys_of(table, self.rank))
+        self.world = Region.from_table(table) if self.occlusion is not None and self.size > 1 else self.region
 
     # ---- phases ----
 
@@ -254,7 +258,7 @@ class Trainer:
         what each kept when last culled (its nearest blocks the first time), so hidden blocks stay unread."""
         region = self.region
         if self.occlusion is not None:
-            return self.occlusion.prefetch_keys(cams, region)
+            return self.occlusion.prefetch_keys(cams, self.world, region)
         return region.union(region.visible(c) for c in cams)
 
     def train(self, step: int) -> tuple[StepStats, float]:
@@ -262,7 +266,7 @@ class Trainer:
         cams, cam_rank = self.cameras_of(step), self.plans.pop(step)
         gt = {i: f.result().to(self.device) for i, f in self.pending.pop(step).items()}
         t0 = time.time()
-        visible, culled = self._cull(cams, step)
+        visible, culled = self._cull(cams, cam_rank, step)
         if visible is None:  # culled once here, for the pin below and for the step's paging
             visible = [self.region.visible(c) for c in cams]
         # This step's blocks are pinned and its working memory reserved first, so the next step's
@@ -292,18 +296,23 @@ class Trainer:
         if culled is not None:
             stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
+        if self.world is not self.region:
+            for moved in self.exchange.allgather(stats.extents):
+                self.world.update_extents(moved)
         self.densifier.observe(list(stats.extents), step)
         return stats, time.time() - t0
 
-    def _cull(self, cams: list[Camera], step: int) -> tuple[list[list[str]] | None, tuple[dict, float, float] | None]:
+    def _cull(self, cams: list[Camera], cam_rank: list[int], step: int
+              ) -> tuple[list[list[str]] | None, tuple[dict, float, float] | None]:
         """--occlusion on: each camera's blocks that can change its image (the forward-only
         culling pass), and the pass's report, wall and CPU seconds; (None, None) when off."""
         if self.occlusion is None:
             return None, None
         wall, cpu = time.perf_counter(), time.thread_time()
         degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
-        visible, report = self.occlusion.cull(cams, self.region, self.cache, degree, self.background, self.backend)
-        return visible, (report.fields(), time.perf_counter() - wall, time.thread_time() - cpu)
+        culls, report = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache, self.exchange, degree,
+                                            self.background, self.backend)
+        return [c.kept for c in culls], (report.fields(), time.perf_counter() - wall, time.thread_time() - cpu)
 
     def refine(self, step: int) -> None:
         """The densification hook after step: the strategy's refinement or opacity reset; a
@@ -338,7 +347,7 @@ class Trainer:
             moved = [k for k in table if new.owner(k) != self.ownership.owner(k)]
             self.cache.release([k for k in moved if self.ownership.owner(k) == self.rank])
             self.ownership = new
-        self.region = Region.from_table(table, self.ownership.keys_of(table, self.rank))
+        self._set_regions(table)
         after = self.ownership.weights(table, cams)
         return {"imbalance_before": round(imbalance, 4),
                 "imbalance_after": round(float(after.max() / max(after.mean(), 1e-12)), 4),

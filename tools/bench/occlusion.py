@@ -1,4 +1,4 @@
-"""`python -m tools.bench occlusion [SCENE ...] [--steps N] [--repeats R]`: exact occlusion culling.
+"""`python -m tools.bench occlusion [SCENE ...] [--steps N] [--repeats R] [--ranks R]`: exact occlusion culling.
 
 Each scene is trained with `--occlusion off` and `--occlusion on` in one bench run (real
 `python -m train` children, each on a fresh copy of the same store, the same seed and camera
@@ -10,7 +10,15 @@ and per step, after `--warmup` steps:
 * blocks paged (the step's blocks), bytes read by the cache over the whole run, and the bytes of
   frustum blocks the step did not page (`occ_bytes_not_read`);
 * seconds per step (gaps between consecutive metrics lines: the whole loop), and the culling
-  pass's own seconds (`t_occlusion`).
+  pass's own seconds (`t_occlusion`, the slowest rank's);
+* with `--ranks R` (each run under `mpirun -n R`, one camera per rank and step): the bytes every
+  rank sent to others in the step (splats out, gradients back, and with culling the pass's
+  rounds, `occ_bytes_sent`, also shown alone), and for reference what gsplat's distributed mode
+  would send for the same cameras: every projected splat of the run without culling whose
+  Gaussian another rank holds under gsplat's round robin, counted as (R - 1) / R of them, at 56
+  bytes forward and 40 back (`tools/bench/mpi.py`).
+
+Every figure is summed over the ranks.
 
 It then compares the two stores' blocks: parameters and Adam state must be bit for bit the same
 (the densification statistics differ by design: see `docs/architecture.md`).
@@ -37,6 +45,7 @@ from storage import Store
 from storage.schema import PARAM_NAMES
 from tools.scenes.walled import make_walled
 from tools.bench import data_dir
+from tools.bench.mpi import GSPLAT_BACKWARD_BYTES, GSPLAT_FORWARD_BYTES
 from tools.bench.train import (
     BenchError,
     TrainRun,
@@ -62,6 +71,7 @@ class BenchConfig:
     warmup: int = 5  # first steps left out of the per-step figures
     repeats: int = 2  # off / on pairs, alternated
     lund_factor: int = 4  # lund_door's image downscale
+    ranks: int = 0  # mpirun -n ranks (0: one process, no mpirun)
 
 
 def _scene(work: Path, name: str, cfg: BenchConfig) -> tuple[Path, Path, list[str]]:
@@ -91,24 +101,29 @@ def _city(work: Path) -> Path:
     return data
 
 
-def _per_step(run: TrainRun, name: str, warmup: int) -> float:
-    return float(run.column(name, warmup).mean())
+def _per_step(run: TrainRun, name: str, warmup: int, default: float = 0.0) -> float:
+    """A metric summed over the ranks, averaged over the steps after `warmup`."""
+    lines = [ls[warmup:] for ls in run.ranks]
+    return float(np.mean([sum(ls[i].get(name, default) for ls in lines) for i in range(len(lines[0]))]))
 
 
-def _row(label: str, runs: list[TrainRun], warmup: int, frustum: float) -> str:
-    r = runs[0]
-    lines = r.ranks[0][warmup:]
-    rasterized = np.mean([ln["local"] + ln["received"] for ln in lines])
-    kept = np.mean([ln.get("occ_kept_gaussians", frustum) for ln in lines])
-    projected = np.mean([ln["projected"] for ln in lines])
-    not_read = np.mean([ln.get("occ_bytes_not_read", 0) for ln in lines])
-    t_occ = np.mean([ln.get("t_occlusion", 0.0) for ln in lines])
+def _row(label: str, runs: list[TrainRun], cfg: BenchConfig, frustum: float) -> str:
+    r, warmup = runs[0], cfg.warmup
+    rasterized = _per_step(r, "local", warmup) + _per_step(r, "received", warmup)
+    kept = _per_step(r, "occ_kept_gaussians", warmup, frustum / len(r.ranks))
+    t_occ = float(np.mean([max(ls[i].get("t_occlusion", 0.0) for ls in r.ranks)
+                           for i in range(warmup, len(r.ranks[0]))]))
     seconds = np.mean([run.loop_seconds(warmup).mean() for run in runs])
     spread = " ".join(f"{run.loop_seconds(warmup).mean():.3f}" for run in runs)
-    read = r.ranks[0][-1]["bytes_read"] / MiB
-    return (f"  {label:<4} {frustum:>10,.0f} {kept:>10,.0f} {projected:>10,.0f} {rasterized:>11,.0f} "
-            f"{_per_step(r, 'blocks', warmup):>7.1f} "
-            f"{read:>9.2f} {not_read / MiB:>10.3f} {seconds:>8.3f} {t_occ:>7.3f}   ({spread})")
+    read = sum(ls[-1]["bytes_read"] for ls in r.ranks) / MiB
+    sent = ""
+    if cfg.ranks > 1:
+        sent = (f" {_per_step(r, 'bytes_sent', warmup) / MiB:>9.3f} "
+                f"{_per_step(r, 'occ_bytes_sent', warmup) / MiB:>9.3f}")
+    return (f"  {label:<4} {frustum:>10,.0f} {kept:>10,.0f} {_per_step(r, 'projected', warmup):>10,.0f} "
+            f"{rasterized:>11,.0f} {_per_step(r, 'blocks', warmup):>7.1f} "
+            f"{read:>9.2f} {_per_step(r, 'occ_bytes_not_read', warmup) / MiB:>10.3f}{sent} {seconds:>8.3f} "
+            f"{t_occ:>7.3f}   ({spread})")
 
 
 def _same_but_statistics(a: Path, b: Path) -> bool:
@@ -131,14 +146,22 @@ def bench_scene(work: Path, name: str, cfg: BenchConfig) -> None:
     for i in range(cfg.repeats):
         for mode, done in runs.items():
             done.append(train(data, store, work / f"{name}-{mode}-{i}", cfg.steps, *options, "--occlusion", mode,
-                              keep_store=i == 0))
+                              ranks=cfg.ranks, keep_store=i == 0))
+    ranks = f" on {cfg.ranks} ranks" if cfg.ranks > 1 else ""
     print(f"{name}: {size.gaussians:,} Gaussians in {size.blocks} blocks ({size.nbytes / MiB:.2f} MiB), "
-          f"{cfg.steps} steps, per step after {cfg.warmup}:")
+          f"{cfg.steps} steps{ranks}, per step after {cfg.warmup}:")
+    sent = f" {'sent MiB':>9} {'pass MiB':>9}" if cfg.ranks > 1 else ""
     print(f"  {'':<4} {'frustum':>10} {'kept':>10} {'projected':>10} {'rasterized':>11} {'blocks':>7} "
-          f"{'read MiB':>9} {'unread MiB':>10} {'s/step':>8} {'t_occ':>7}   (s/step of each run)")
+          f"{'read MiB':>9} {'unread MiB':>10}{sent} {'s/step':>8} {'t_occ':>7}   (s/step of each run)")
     frustum = _per_step(runs["on"][0], "occ_frustum_gaussians", cfg.warmup)  # the same cameras, off or on
     for mode, rs in runs.items():
-        print(_row(mode, rs, cfg.warmup, frustum))
+        print(_row(mode, rs, cfg, frustum))
+    if cfg.ranks > 1:
+        crossing = _per_step(runs["off"][0], "projected", cfg.warmup) * (cfg.ranks - 1) / cfg.ranks
+        gsplat = crossing * (GSPLAT_FORWARD_BYTES + GSPLAT_BACKWARD_BYTES)
+        on, off = (_per_step(runs[m][0], "bytes_sent", cfg.warmup) for m in ("on", "off"))
+        print(f"  gsplat distributed, same cameras: {gsplat / MiB:.3f} MiB a step; ours off {off / gsplat:.3f}x, "
+              f"on {on / gsplat:.3f}x of it")
     same = _same_but_statistics(work / f"{name}-off-0.zarr", work / f"{name}-on-0.zarr")
     print(f"  parameters and Adam state after {cfg.steps} steps, on against off: "
           f"{'bit for bit the same' if same else 'DIFFERENT'}")
@@ -152,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=BenchConfig.steps, help="training steps of each run")
     p.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="first steps left out of the figures")
     p.add_argument("--repeats", type=int, default=BenchConfig.repeats, help="off / on pairs, alternated")
+    p.add_argument("--ranks", type=int, default=0, help="run each training under mpirun -n RANKS (0: one process)")
     p.add_argument("--work", type=Path, help="keep stores and runs in this folder (default: a temporary one)")
     return p
 
@@ -162,10 +186,11 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: unknown scene {unknown[0]!r} (choose from {', '.join(SCENES)})", file=sys.stderr)
         return 1
-    if args.steps <= args.warmup or args.repeats < 1:
-        print(f"error: --steps {args.steps} must exceed --warmup {args.warmup}, --repeats at least 1", file=sys.stderr)
+    if args.steps <= args.warmup or args.repeats < 1 or args.ranks < 0:
+        print(f"error: --steps {args.steps} must exceed --warmup {args.warmup}, --repeats and --ranks at least 1 "
+              f"and 0", file=sys.stderr)
         return 1
-    cfg = BenchConfig(args.steps, args.warmup, args.repeats)
+    cfg = BenchConfig(args.steps, args.warmup, args.repeats, ranks=args.ranks)
     try:
         with scratch(args.work) as work:
             for name in args.scenes or SCENES:
