@@ -38,11 +38,13 @@ from train.camera import Camera
 from train.config import ConfigError, TrainConfig
 from train.densify.config import DensifyConfig
 from train.exchange import LocalExchange
+from train import occlusion as occlusion_module
 from train.occlusion import DepthPyramid, OcclusionCuller
 from train.region import Region
 from train.render import project, render
 from train.render.cpu.ellipse import HALF_X, HALF_Y, splat_records
 from train.trainer import Trainer, run
+from train.waves import raster_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 MPIRUN = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
@@ -191,6 +193,33 @@ def test_culling_keeps_the_image_gradients_and_contributions(walled):
     # The clusters no camera sees are culled by some camera (the one far from the gap by every
     # camera); the zero-contribution assertion above is the brute-force check that they are hidden.
     assert set(hidden) <= culled_any
+
+
+def test_the_pass_counts_its_memory_in_the_cache_while_it_runs(walled, monkeypatch):
+    """Every projection and rasterization of the pass runs with its memory counted in the cache
+    (at least the rasterizer's own figure, `raster_bytes`), and nothing stays counted after it."""
+    store = Store.open(walled.store, mode="r")
+    region = Region.from_table(store.table)
+    checked = {"projected": 0, "rasterized": 0}
+    project, raster = occlusion_module.project_owned, occlusion_module.rasterize
+
+    def counted_project(gathered, visible, cameras, *args):
+        assert cache.working_bytes >= sum(t.numel() * t.element_size() for t in gathered.params.values()) > 0
+        checked["projected"] += 1
+        return project(gathered, visible, cameras, *args)
+
+    def counted_raster(splats, camera, *args, **kwargs):
+        assert cache.working_bytes >= raster_bytes(len(splats), 0, camera.width, camera.height)
+        checked["rasterized"] += 1
+        return raster(splats, camera, *args, **kwargs)
+
+    monkeypatch.setattr(occlusion_module, "project_owned", counted_project)
+    monkeypatch.setattr(occlusion_module, "rasterize", counted_raster)
+    with BlockCache(store, 1 << 30) as cache:
+        OcclusionCuller(1).cull(walled.cameras, [0] * len(walled.cameras), region, region, cache, LocalExchange(), 0,
+                                torch.zeros(3))
+        assert cache.working_bytes == 0
+    assert checked["projected"] >= len(walled.cameras) and checked["rasterized"] >= len(walled.cameras)
 
 
 # ---- training ----

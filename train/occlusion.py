@@ -53,6 +53,7 @@ from train.exchange import Exchange
 from train.region import Region
 from train.render import Splats2D, rasterize
 from train.step import gather, project_owned
+from train.waves import raster_bytes, step_bytes
 
 OCCLUSION_MODES = ("off", "on")
 
@@ -185,20 +186,29 @@ class OcclusionCuller:
 
     @staticmethod
     def _project(keys: list[str], camera: Camera, cache, sh_degree: int, backend: str) -> Splats2D | None:
+        """The wave's owned blocks projected into the camera. Their gathered copy and projection
+        are counted in the cache beside them, never refused: a wave is one depth slab of a
+        frustum, which no plan bounds."""
         cache.pin(keys)
         try:
-            g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
-            projected = list(project_owned(g, [keys], [camera], sh_degree, backend).splats.values())
+            with cache.working(step_bytes(keys, [keys], cache, backward=False), f"culling for {camera.name}",
+                               strict=False):
+                g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False)
+                projected = list(project_owned(g, [keys], [camera], sh_degree, backend).splats.values())
         finally:
             cache.unpin(keys)
         return Splats2D.cat(projected) if projected else None
 
     @staticmethod
-    def _judge(p: _Pass, parts: list[Splats2D], camera: Camera, background: Tensor, backend: str
+    def _judge(p: _Pass, parts: list[Splats2D], camera: Camera, cache, background: Tensor, backend: str
                ) -> tuple[np.ndarray, bool]:
         """The camera's rank, after a wave that drew something: the positions (in p.order) that the
-        saturation depths of every wave so far drop, and whether the pass is done."""
-        sat = rasterize(Splats2D.cat(parts), camera, background, backend=backend).sat_depth.cpu().numpy()
+        saturation depths of every wave so far drop, and whether the pass is done. The rasterizer's
+        memory is counted in the cache as the step's is (`train.step`)."""
+        splats = Splats2D.cat(parts)
+        with cache.working(raster_bytes(len(splats), 0, camera.width, camera.height),
+                           f"rasterizing {camera.name} to cull", strict=False):
+            sat = rasterize(splats, camera, background, backend=backend).sat_depth.cpu().numpy()
         if not np.isfinite(sat).any():  # nothing this translucent drops a block soon: more waves would only read
             return np.zeros(0, dtype=np.int64), True
         pyramid = DepthPyramid(sat)
@@ -253,7 +263,7 @@ class OcclusionCuller:
                               key=lambda part: part[0])
                 if sum(len(s) for _, s in wave):  # else the wave lands nowhere in the image (a block around the camera)
                     drawn[i].extend(s for _, s in wave)
-                    verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], background, backend)
+                    verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
             for theirs in exchange.allgather(verdicts):
                 for i, (dropped, done) in theirs.items():
                     passes[i].alive[dropped] = False
