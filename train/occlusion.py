@@ -242,10 +242,11 @@ class OcclusionCuller:
         for _ in range(self.max_waves):
             waves: dict[int, np.ndarray] = {}
             for i, p in enumerate(passes):
-                pending = np.array([], dtype=np.int64) if p.done else p.pending()
-                p.done = len(pending) == 0
-                if not p.done:
+                pending = np.zeros(0, dtype=np.int64) if p.done else p.pending()
+                if len(pending):
                     waves[i] = self._wave(pending, p.foot.depth)
+                else:
+                    p.done = True
             if not waves:
                 break
             projected: dict[int, Splats2D] = {}

@@ -52,7 +52,6 @@ class SetupError(TrainError):
         others = "" if len(messages) == 1 else f" (and on {len(messages) - 1} other ranks)"
         alike = len(set(messages.values())) == 1
         super().__init__(messages[first] if alike else f"rank {first}: {messages[first]}{others}")
-        self.messages = messages
 
 
 @dataclass

@@ -187,8 +187,8 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown scene {unknown[0]!r} (choose from {', '.join(SCENES)})", file=sys.stderr)
         return 1
     if args.steps <= args.warmup or args.repeats < 1 or args.ranks < 0:
-        print(f"error: --steps {args.steps} must exceed --warmup {args.warmup}, --repeats and --ranks at least 1 "
-              f"and 0", file=sys.stderr)
+        print(f"error: --steps {args.steps} must exceed --warmup {args.warmup}, --repeats {args.repeats} be at least 1 "
+              f"and --ranks {args.ranks} at least 0", file=sys.stderr)
         return 1
     cfg = BenchConfig(args.steps, args.warmup, args.repeats, ranks=args.ranks)
     try:
