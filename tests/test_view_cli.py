@@ -47,6 +47,8 @@ def test_bad_values(lund_store: Path) -> None:
     assert_error(view(lund_store, "--ranks", "0"), "--ranks 0")
     assert_error(view(lund_store, "--cache-mb", "-1"), "--cache-mb")
     assert_error(view(lund_store, "--cameras", "orbit:x", "--render", "/tmp/unused"), "--cameras")
+    for lod in ("-1", "nan", "65"):
+        assert_error(view(lund_store, "--lod", lod, "--render", "/tmp/unused", "--cameras", "orbit:1"), f"--lod {lod}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -1,10 +1,13 @@
-"""Viewer benchmark: `python -m tools.bench view [--work DIR] [--frames N] [--cache-mb MB]`.
+"""Viewer benchmark: `python -m tools.bench view [--work DIR] [--frames N] [--cache-mb MB] [--lod PX]`.
 
 The server-side render of `python -m tools.view` (only the blocks in each camera's frustum,
-paged through a params-only `BlockCache` under --cache-mb) against rendering the whole exported
-PLY held in memory, on the synthetic city (`tools/city.py`, its benchmark defaults: 1.08 M
-Gaussians, street-level cameras), at 640x480 and 1280x720. Each side runs in a fresh process, so
-its peak RSS is its own; the frames are the first N city cameras after one warm-up frame.
+paged through a params-only `BlockCache` under --cache-mb), exact and with its level of detail
+(`--lod` pixels), against rendering the whole exported PLY held in memory, on the synthetic city
+(`tools/scenes/city.py`, its benchmark defaults: 1.08 M Gaussians), at 640x480 and 1280x720, from
+two sets of cameras: street level (the city's first N cameras) and overview (N cameras orbiting
+the whole city, 30 degrees above it). Each side runs in a fresh process, so its peak RSS is its
+own; each set and size starts with one warm-up frame. The level of detail's frames are compared
+with the exact viewer's (PSNR).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from train.cli import HelpFormatter
 from tools.bench.train import python_module, run_child, scratch  # noqa: E402
 
 SIZES = ((640, 480), (1280, 720))
+VIEWS = ("street", "overview")
+MODES = ("viewer", "viewer-lod", "ply")
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,10 @@ class ViewBenchConfig:
     cache_mb: float = 16.0  # the viewer's cache: a fraction of the store, so frames really page
     max_per_block: int = 16384  # octree leaf capacity of the city store
     city_blocks: int = 6  # city blocks per side (6: the 1.08 M-Gaussian benchmark city)
+    lod: float = 1.0  # the viewer-lod side's --lod (pixels)
 
     def __post_init__(self) -> None:
-        if self.frames < 1 or self.cache_mb <= 0 or self.max_per_block < 1 or self.city_blocks < 1:
+        if self.frames < 1 or self.cache_mb <= 0 or self.max_per_block < 1 or self.city_blocks < 1 or not self.lod > 0:
             raise ValueError(f"bench view: every figure must be positive, got {self}")
 
 
@@ -89,30 +95,49 @@ def _prepare(work: Path, cfg: ViewBenchConfig) -> tuple[Path, Path]:
 
 def _flags(cfg: ViewBenchConfig) -> list[str]:
     return ["--frames", str(cfg.frames), "--cache-mb", str(cfg.cache_mb), "--max-per-block", str(cfg.max_per_block),
-            "--city-blocks", str(cfg.city_blocks)]
+            "--city-blocks", str(cfg.city_blocks), "--lod", str(cfg.lod)]
 
 
-def _frames(render_one, cameras) -> dict:
-    """ms per frame at each size, median over the frames, after a warm-up frame."""
-    from tools.view.cameras import resized
+def _view_sets(store_path: Path, frames: int):
+    """For an image size: the street cameras resized to it, and the overview orbit made at it;
+    `frames` + 1 cameras each (the last one warms up)."""
+    from storage import Store
+    from tools.view.cameras import orbit, resized
+    from tools.view.scene import load_blocks
 
-    out = {}
+    with Store.open(store_path, mode="r", verify="table") as store:
+        scene = load_blocks(store, str(store_path), 1, [])
+        bounds, up = scene.bounds(), scene.up
+    street = _load_cameras(store_path)[: frames + 1]
+
+    def at(w: int, h: int) -> dict[str, list]:
+        return {"street": [resized(c, w, h) for c in street], "overview": orbit(bounds, frames + 1, w, h, up)}
+    return at
+
+
+def _frames(render_one, sets) -> tuple[dict, dict[str, np.ndarray]]:
+    """ms per frame at each size and set, median over the frames, after a warm-up frame; and the
+    frames themselves ([F, H, W, 3] uint8 by size and set), for the parent to compare."""
+    out, images = {}, {}
     for w, h in SIZES:
-        cams = [resized(c, w, h) for c in cameras]
-        render_one(cams[-1])  # warm-up: numba's cache load, first allocations
-        times, extra = [], []
-        for cam in cams[:-1]:
-            start = time.perf_counter()
-            info = render_one(cam)
-            times.append(time.perf_counter() - start)
-            extra.append(info)
-        out[f"{w}x{h}"] = {"ms": 1e3 * float(np.median(times)), "ms_max": 1e3 * float(np.max(times)),
-                           **{k: float(np.mean([e[k] for e in extra])) for k in extra[0]}}
-    return out
+        for view, cams in sets(w, h).items():
+            render_one(cams[-1])  # warm-up: numba's cache load, first allocations, the proxies of a level
+            times, extra, frames = [], [], []
+            for cam in cams[:-1]:
+                start = time.perf_counter()
+                rgb, info = render_one(cam)
+                times.append(time.perf_counter() - start)
+                extra.append(info)
+                frames.append((rgb.numpy() * 255.0 + 0.5).astype(np.uint8))
+            out[f"{view} {w}x{h}"] = {"ms": 1e3 * float(np.median(times)), "ms_max": 1e3 * float(np.max(times)),
+                                      **{k: float(np.mean([e[k] for e in extra])) for k in extra[0]}}
+            images[f"{view} {w}x{h}"] = np.stack(frames)
+    return out, images
 
 
 def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchConfig) -> None:
-    """One side of the comparison, in this (fresh) process; writes its figures to `result`."""
+    """One side of the comparison, in this (fresh) process; writes its figures to `result` and
+    its frames beside it (`.npz`)."""
     import torch
 
     from storage import Store
@@ -120,18 +145,18 @@ def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchCo
     from tools.view.render import FrustumRenderer
     from train.render import render
 
-    cameras = _load_cameras(store_path)[: cfg.frames + 1]
+    sets = _view_sets(store_path, cfg.frames)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if mode == "viewer":
+    if mode in ("viewer", "viewer-lod"):
         store = Store.open(store_path, mode="r", verify="table")
-        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20))
+        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20), lod_pixels=cfg.lod if mode == "viewer-lod" else 0.0)
 
         def render_one(cam):
-            _, stats = renderer.render(cam)
-            return {"blocks": stats.blocks, "gaussians": stats.gaussians, "paged_in": stats.paged_in,
-                    "mib_read": stats.bytes_read / 2**20}
+            rgb, stats = renderer.render(cam)
+            return rgb, {"blocks": stats.blocks, "gaussians": stats.gaussians, "projected": stats.projected,
+                         "merged": stats.lod.blocks, "paged_in": stats.paged_in, "mib_read": stats.bytes_read / 2**20}
 
-        figures = _frames(render_one, cameras)
+        figures, images = _frames(render_one, sets)
         figures["store_blocks"] = len(store.table)
         figures["store_gaussians"] = sum(i.count for i in store.table.values())
     else:
@@ -140,12 +165,18 @@ def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchCo
         sh = int(round(np.sqrt(splats["shN"].shape[1] + 1))) - 1
 
         def render_one(cam):
-            render(splats, cam, sh, None, "cpu")
-            return {"gaussians": reader.count}
+            rgb, _, _ = render(splats, cam, sh, None, "cpu")
+            return rgb.clamp(0, 1), {"projected": reader.count}
 
-        figures = _frames(render_one, cameras)
+        figures, images = _frames(render_one, sets)
     figures["base_rss_mib"] = base_rss
     result.write_text(json.dumps(figures))
+    np.savez(result.with_suffix(".npz"), **images)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:  # uint8 frames of one shape
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,13 +188,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=d.cache_mb, help="the viewer's block cache budget")
     p.add_argument("--max-per-block", type=int, default=d.max_per_block, help="octree leaf capacity of the city store")
     p.add_argument("--city-blocks", type=int, default=d.city_blocks, help="city blocks per side")
+    p.add_argument("--lod", type=float, default=d.lod, help="the level-of-detail side's --lod (pixels)")
     p.add_argument("--child", nargs=4, metavar=("MODE", "STORE", "PLY", "RESULT"), help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    cfg = ViewBenchConfig(args.frames, args.cache_mb, args.max_per_block, args.city_blocks)
+    cfg = ViewBenchConfig(args.frames, args.cache_mb, args.max_per_block, args.city_blocks, args.lod)
     if args.child:
         mode, store, ply, result = args.child
         if mode == "city":
@@ -173,25 +205,36 @@ def main(argv: list[str]) -> int:
         return 0
     with scratch(args.work) as work:
         store, ply = _prepare(work, cfg)
-        results = {}
-        for mode in ("viewer", "ply"):
+        results, frames = {}, {}
+        for mode in MODES:
             out = work / f"view-{mode}.json"
             run = run_child(python_module("tools.bench", "view", "--child", mode, store, ply, out, *_flags(cfg)),
                             f"bench view {mode}")
             results[mode] = {**json.loads(out.read_text()), "peak_rss_mib": run.max_rss / 2**20}
-    v, p = results["viewer"], results["ply"]
+            frames[mode] = dict(np.load(out.with_suffix(".npz")))
+    v, lod, p = (results[m] for m in MODES)
     print(f"city: {v['store_gaussians']:,} Gaussians in {v['store_blocks']} blocks (--max-per-block "
-          f"{cfg.max_per_block}); viewer cache {cfg.cache_mb:g} MiB; median of {cfg.frames} frames")
-    print("| | viewer: frustum-paged store | whole PLY in memory |")
-    print("|---|---|---|")
+          f"{cfg.max_per_block}); viewer cache {cfg.cache_mb:g} MiB; median of {cfg.frames} frames; "
+          f"level of detail --lod {cfg.lod:g}")
+    print(f"| | viewer: frustum-paged store | viewer, --lod {cfg.lod:g} | whole PLY in memory |")
+    print("|---|---|---|---|")
     for w, h in SIZES:
-        key = f"{w}x{h}"
-        print(f"| {key} ms/frame (max) | {v[key]['ms']:.0f} ({v[key]['ms_max']:.0f}) | {p[key]['ms']:.0f} ({p[key]['ms_max']:.0f}) |")
-        print(f"| {key} blocks / Gaussians rendered per frame | {v[key]['blocks']:.1f} / {v[key]['gaussians']:,.0f} | "
-              f"all / {p[key]['gaussians']:,.0f} |")
-        print(f"| {key} blocks / MiB paged in per frame | {v[key]['paged_in']:.1f} / {v[key]['mib_read']:.1f} | - |")
+        for view in VIEWS:
+            key = f"{view} {w}x{h}"
+            a, b, c = v[key], lod[key], p[key]
+            print(f"| {key} ms/frame (max) | {a['ms']:.0f} ({a['ms_max']:.0f}) | {b['ms']:.0f} ({b['ms_max']:.0f}) | "
+                  f"{c['ms']:.0f} ({c['ms_max']:.0f}) |")
+            print(f"| {key} blocks (merged) / Gaussians projected | {a['blocks']:.1f} / {a['projected']:,.0f} | "
+                  f"{b['blocks']:.1f} ({b['merged']:.1f}) / {b['projected']:,.0f} of {b['gaussians']:,.0f} | "
+                  f"all / {c['projected']:,.0f} |")
+            print(f"| {key} blocks / MiB paged in | {a['paged_in']:.1f} / {a['mib_read']:.1f} | "
+                  f"{b['paged_in']:.1f} / {b['mib_read']:.1f} | - |")
+            exact = [psnr(x, y) for x, y in zip(frames["viewer"][key], frames["ply"][key])]
+            merged = [psnr(x, y) for x, y in zip(frames["viewer-lod"][key], frames["viewer"][key])]
+            print(f"| {key} PSNR dB against the exact viewer (min) | - | {np.mean(merged):.1f} ({min(merged):.1f}) | "
+                  f"{np.mean(exact):.1f} ({min(exact):.1f}) |")
     print(f"| peak RSS MiB (after imports) | {v['peak_rss_mib']:.0f} ({v['base_rss_mib']:.0f}) | "
-          f"{p['peak_rss_mib']:.0f} ({p['base_rss_mib']:.0f}) |")
+          f"{lod['peak_rss_mib']:.0f} ({lod['base_rss_mib']:.0f}) | {p['peak_rss_mib']:.0f} ({p['base_rss_mib']:.0f}) |")
     return 0
 
 

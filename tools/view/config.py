@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 DEVICES = ("cpu", "cuda")
 COLOUR_MODES = ("owner", "count", "step")
+BROWSER_LOD_PIXELS = 1.0  # the browser's level of detail: merge what falls within about a pixel (tools/view/lod.py)
+MAX_LOD_PIXELS = 64.0
 _CAMERAS_RE = re.compile(r"^(all|test|train|orbit:[1-9][0-9]*|[0-9]+(,[0-9]+)*)$")
 
 
@@ -32,6 +34,7 @@ class ViewConfig:
     outline: bool = False  # headless: draw the block boxes over the renders
     map: str | None = None  # headless: write a top-down map of the blocks coloured by owner to this PNG
     colour: str = "owner"  # first colouring of the boxes in the browser
+    lod: float | None = None  # merge far blocks per cube of this many pixels; 0 exact (default: browser 1, headless 0)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -50,6 +53,8 @@ class ViewConfig:
             value = getattr(self, name)
             if value is not None and not 1 <= value <= 16384:
                 raise ViewError(f"--{name} {value}: must be in 1..16384")
+        if self.lod is not None and not (math.isfinite(self.lod) and 0 <= self.lod <= MAX_LOD_PIXELS):
+            raise ViewError(f"--lod {self.lod}: must be a number of pixels in 0..{MAX_LOD_PIXELS:g} (0: exact)")
         if self.colour not in COLOUR_MODES:
             raise ViewError(f"colour {self.colour!r}: choose from {', '.join(COLOUR_MODES)}")
         if self.render and self.data is None and not self.cameras.startswith("orbit:"):
@@ -58,6 +63,13 @@ class ViewConfig:
     @property
     def cache_bytes(self) -> int:
         return max(1, int(self.cache_mb * 2**20))
+
+    @property
+    def lod_pixels(self) -> float:
+        """Headless renders are exact unless asked; the browser merges what it cannot resolve."""
+        if self.lod is not None:
+            return self.lod
+        return 0.0 if self.headless else BROWSER_LOD_PIXELS
 
     @property
     def headless(self) -> bool:

@@ -83,7 +83,7 @@ class Viewer:
         self.cfg, self.store, self.data = cfg, store, data
         check_port_free(cfg.host, cfg.port)
         self.scene = load_blocks(store, cfg.store, cfg.ranks, data.train if data else [])
-        self.renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device)
+        self.renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels)
         self.lock = threading.Lock()  # one render or refresh at a time: they share the store view and cache
         self.last_frame = FrameStats()
         self.server = viser.ViserServer(host=cfg.host, port=cfg.port, label="OctoSplat", verbose=False)
@@ -114,6 +114,10 @@ class Viewer:
         self.show_render = gui.add_checkbox("render the scene", True)
         self.show_splats = gui.add_checkbox("splats in the browser", False,
                                             hint=f"the visible blocks nearest the camera, up to {CLIENT_BUDGET:,} Gaussians")
+        self.detail = gui.add_slider("merge below (px)", min=0.0, max=8.0, step=0.5, initial_value=min(self.cfg.lod_pixels, 8.0),
+                                     hint="level of detail: blocks seen at sub-pixel size are drawn merged per cube of "
+                                          "about this many pixels; 0 draws every Gaussian",
+                                     disabled=self.cfg.lod_pixels == 0)
         self.frame_md = gui.add_markdown("frame: waiting for a browser")
         self.block = gui.add_dropdown("block", [r.key for r in self.scene.rows], initial_value=self.scene.rows[0].key)
         self.block_md = gui.add_markdown(self.scene.describe(self.scene.rows[0].key))
@@ -121,6 +125,7 @@ class Viewer:
         self.block.on_update(lambda _: self._select(self.block.value))
         self.show_render.on_update(lambda _: self._toggle_render())
         self.show_splats.on_update(lambda _: self._toggle_splats())
+        self.detail.on_update(lambda _: self._set_detail())
 
     def _commit_text(self) -> str:
         s = self.scene
@@ -132,6 +137,12 @@ class Viewer:
         for c in list(self._clients.values()):
             if not self.show_splats.value:
                 self._drop_splats(c, list(c.splats))
+            c.rendered_at = -1.0
+
+    def _set_detail(self) -> None:
+        with self.lock:
+            self.renderer.lod_pixels = float(self.detail.value)
+        for c in list(self._clients.values()):
             c.rendered_at = -1.0
 
     def _toggle_render(self) -> None:

@@ -3,7 +3,9 @@
 The visible blocks (Morton order, the order the trainer gathers them in) are projected in
 groups that fit half the cache budget, so a view of more blocks than the budget holds still
 renders: only the 2D splats of all groups are kept, and one rasterization composites them. A
-block that fails to read (corrupt, or collected by a trainer's commit) is named and skipped."""
+block that fails to read (corrupt, or collected by a trainer's commit) is named and skipped.
+With a level of detail (`lod_pixels` > 0), blocks the camera sees at sub-pixel size are drawn
+merged (`tools/view/lod.py`); with 0 the frame is exactly `render()` of the store."""
 from __future__ import annotations
 
 import sys
@@ -22,6 +24,7 @@ from train.region import Region
 from train.render import RenderError, project, rasterize
 from train.render.splats2d import Splats2D
 from tools.view.config import ViewError
+from tools.view.lod import LodStats, ProxyCache, lod_level, proxy_for
 
 
 _RETRIES = 5
@@ -44,28 +47,36 @@ class FrameStats:
     height: int = 0
     blocks: int = 0  # blocks in the view frustum that were rendered
     gaussians: int = 0  # Gaussians in those blocks
+    projected: int = 0  # Gaussians projected: those of the blocks drawn as they are, and the merged ones
     splats: int = 0  # of those, the ones that landed in the image
+    lod: LodStats = field(default_factory=LodStats)  # the blocks drawn merged
     paged_in: int = 0  # blocks read from the store for this frame (the rest were resident)
     bytes_read: int = 0  # tensor bytes read from the store for this frame
     skipped: list[str] = field(default_factory=list)  # blocks that could not be read
     restarts: int = 0  # times the frame started over because a newer commit collected its blocks
 
     def summary(self) -> str:
-        text = (f"{self.width}x{self.height} in {self.seconds * 1e3:.0f} ms: {self.blocks} blocks, "
+        merged = (f" ({self.lod.blocks} merged: {self.lod.gaussians:,} Gaussians as {self.lod.proxies:,})"
+                  if self.lod.blocks else "")
+        text = (f"{self.width}x{self.height} in {self.seconds * 1e3:.0f} ms: {self.blocks} blocks{merged}, "
                 f"{self.gaussians:,} Gaussians ({self.splats:,} splats), paged in {self.paged_in} blocks "
                 f"({self.bytes_read / 2**20:.1f} MiB)")
         return text + (f", skipped {len(self.skipped)} unreadable" if self.skipped else "")
 
 
 class FrustumRenderer:
-    """Renders `store`'s current commit through a params-only block cache of `budget_bytes`."""
+    """Renders `store`'s current commit through a params-only block cache of `budget_bytes`; made
+    with `lod_pixels` > 0, a quarter of the budget keeps merged blocks (`ProxyCache`) and the
+    block cache gets the rest (`lod_pixels` may then change between frames, 0 included)."""
 
     def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
-                 background: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
+                 background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0) -> None:
         if device == "cuda" and not torch.cuda.is_available():
             raise ViewError("--device cuda asked for, but torch sees no CUDA device")
         self.store = store
-        self.budget = budget_bytes
+        self.lod_pixels = lod_pixels  # the browser's slider may change it between frames
+        self.proxies = ProxyCache(budget_bytes // 4 if lod_pixels > 0 else 0)
+        self.budget = budget_bytes - self.proxies.budget
         self.device = torch.device(device)
         self.backend = "cuda" if device == "cuda" else "cpu"
         self.background = torch.tensor(background, dtype=torch.float32, device=self.device)
@@ -85,6 +96,7 @@ class FrustumRenderer:
         self.region = Region.from_table(self.store.table)
         self._head = self.store.head
         self.bad = {}
+        self.proxies.clear()
 
     def visible(self, camera: Camera) -> list[str]:
         """Blocks whose extent box meets the camera's frustum, in Morton order."""
@@ -113,24 +125,31 @@ class FrustumRenderer:
         start = time.perf_counter()
         keys = [k for k in self.visible(camera) if k not in self.bad]
         assert self.cache is not None
+        table = self.store.table
         stats = FrameStats(width=camera.width, height=camera.height)
         misses, read = self.cache.stats.misses, self.cache.stats.bytes_read
+        merged = self._merged(keys, camera)
         parts = []
         for group in self._groups(keys):
             if cancelled():
                 raise FrameCancelled
-            blocks = self._pin(group, stats)
+            # Taken before any merge of this group can push them out of the LRU.
+            cached = {k: proxy for k in group if k in merged and merged[k] in self.proxies
+                      and (proxy := self.proxies.get(merged[k])) is not None}
+            blocks = self._pin([k for k in group if k not in cached], stats)
             try:
-                if blocks:
-                    splats = {n: torch.cat([b[n] for b in blocks.values()]) for n in PARAM_NAMES}
-                    stats.blocks += len(blocks)
-                    stats.gaussians += int(splats["means"].shape[0])
+                rows = [self._rows(k, merged.get(k), cached, blocks, stats) for k in group if k in cached or k in blocks]
+                if rows:
+                    splats = {n: torch.cat([r[n] for r in rows]) for n in PARAM_NAMES}
+                    stats.blocks += len(rows)
+                    stats.projected += int(splats["means"].shape[0])
                     try:
                         parts.append(project(splats, camera, self.store.sh_degree, self.backend))
                     except RenderError as e:  # the store checks what it writes; this is a last line
-                        raise ViewError(f"store {self.store.name}, blocks {', '.join(blocks)}: {e}") from e
+                        raise ViewError(f"store {self.store.name}, blocks {', '.join(group)}: {e}") from e
             finally:
                 self.cache.unpin(blocks)
+        stats.gaussians = sum(table[k].count for k in keys if k not in self.bad)
         s = Splats2D.cat(parts) if parts else Splats2D.empty(self.device)
         stats.splats = len(s)
         rgb = rasterize(s, camera, self.background, self.backend).rgb.clamp(0, 1)
@@ -138,6 +157,40 @@ class FrustumRenderer:
         stats.bytes_read = self.cache.stats.bytes_read - read
         stats.seconds = time.perf_counter() - start
         return rgb, stats
+
+    def _merged(self, keys: list[str], camera: Camera) -> dict[str, tuple[str, int, int]]:
+        """The blocks this frame draws merged -> their proxies' cache key (key, version, level);
+        a block once found not worth merging at that level is drawn as it is."""
+        table = self.store.table
+        out = {}
+        for k in keys:
+            level = lod_level(table[k], camera, self.lod_pixels)
+            if level is None:
+                continue
+            slot = (k, table[k].version, level)
+            if slot in self.proxies and self.proxies.get(slot) is None:
+                continue
+            out[k] = slot
+        return out
+
+    def _rows(self, key: str, slot: tuple[str, int, int] | None, cached: dict[str, dict[str, Tensor]],
+              blocks: dict[str, dict[str, Tensor]], stats: FrameStats) -> dict[str, Tensor]:
+        """What the frame projects for `key`: its merged proxy (made from the pinned block and kept
+        on a miss) or the block itself."""
+        info = self.store.table[key]
+        proxy = None
+        if slot is not None:
+            if key in cached:
+                proxy = cached[key]
+            else:
+                proxy = proxy_for(blocks[key], info, slot[2])
+                self.proxies.put(slot, proxy)
+        if proxy is None:
+            return blocks[key]
+        stats.lod.blocks += 1
+        stats.lod.gaussians += info.count
+        stats.lod.proxies += int(proxy["means"].shape[0])
+        return proxy
 
     def _groups(self, keys: list[str]) -> list[list[str]]:
         """Consecutive runs of blocks whose parameters fit half the budget together (the other half
