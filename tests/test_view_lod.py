@@ -122,3 +122,23 @@ def test_a_merged_frame_is_close_to_the_exact_one_and_projects_fewer(lund_store:
                 assert second.paged_in == second.blocks - second.lod.blocks
             finally:
                 r.close()
+
+
+def test_the_proxy_cache_reuses_a_finer_merge_and_evicts_the_oldest() -> None:
+    from tools.view.lod import ProxyCache
+
+    proxy = {"means": torch.zeros(10, 3)}  # 120 bytes
+    cache = ProxyCache(budget=250)
+    cache.put(("a", 1, 3), proxy)
+    cache.put(("a", 1, 5), None)  # merging at 5 did not pay: never drawn from
+    assert cache.choose("a", 1, 2) == ("a", 1, 3)  # the finer merge held serves a coarser level
+    assert cache.choose("a", 1, 4) == ("a", 1, 4)  # nothing finer worth drawing: make level 4
+    assert cache.choose("a", 1, 5) == ("a", 1, 5) and cache.get(("a", 1, 5)) is None
+    assert cache.choose("a", 2, 2) == ("a", 2, 2)  # another version of the block shares nothing
+    cache.put(("b", 1, 1), proxy)
+    cache.get(("a", 1, 3))  # used last: b's is now the oldest
+    cache.put(("c", 1, 1), proxy)  # 360 bytes > 250: the oldest goes
+    assert ("b", 1, 1) not in cache and ("a", 1, 3) in cache and ("c", 1, 1) in cache
+    assert cache.nbytes() == 240
+    cache.put(("d", 1, 1), {"means": torch.zeros(100, 3)})  # larger than the whole budget: not kept
+    assert ("d", 1, 1) not in cache and cache.nbytes() == 240

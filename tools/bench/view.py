@@ -4,8 +4,8 @@ The server-side render of `python -m tools.view` (only the blocks in each camera
 paged through a params-only `BlockCache` under --cache-mb), exact and with its level of detail
 (`--lod` pixels), against rendering the whole exported PLY held in memory, on the synthetic city
 (`tools/scenes/city.py`, its benchmark defaults: 1.08 M Gaussians), at 640x480 and 1280x720, from
-two sets of cameras: street level (the city's first N cameras) and overview (N cameras orbiting
-the whole city, 30 degrees above it). Each side runs in a fresh process, so its peak RSS is its
+two sets of cameras: street level (the city's first N cameras) and overview (N cameras 10 degrees
+apart on an orbit round the whole city, 30 degrees above it). Each side runs in a fresh process, so its peak RSS is its
 own; each set and size starts with one warm-up frame. The level of detail's frames are compared
 with the exact viewer's (PSNR).
 """
@@ -111,7 +111,8 @@ def _view_sets(store_path: Path, frames: int):
     street = _load_cameras(store_path)[: frames + 1]
 
     def at(w: int, h: int) -> dict[str, list]:
-        return {"street": [resized(c, w, h) for c in street], "overview": orbit(bounds, frames + 1, w, h, up)}
+        # 10 degrees apart, as a browser's camera orbits: a merged block is reused while its level holds.
+        return {"street": [resized(c, w, h) for c in street], "overview": orbit(bounds, 36, w, h, up)[: frames + 1]}
     return at
 
 

@@ -125,41 +125,62 @@ class LodStats:
     proxies: int = 0  # the Gaussians that stood in for them
 
 
+Slot = tuple[str, int, int]  # (block key, version, level)
+
+
 class ProxyCache:
-    """Merged blocks by (key, version, level), least recently used first out, within `budget` bytes.
-    A block whose merge saved under half its rows is remembered as None: it is drawn as it is."""
+    """Merged blocks by slot, least recently used first out, within `budget` bytes. A block whose
+    merge saved under half its rows is remembered as None: it is drawn as it is."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._items: OrderedDict[tuple[str, int, int], dict[str, Tensor] | None] = OrderedDict()
+        self._items: OrderedDict[Slot, dict[str, Tensor] | None] = OrderedDict()
+        self._levels: dict[tuple[str, int], set[int]] = {}  # (key, version) -> the levels held
         self._bytes = 0
 
     @staticmethod
     def _size(proxy: dict[str, Tensor] | None) -> int:
         return 0 if proxy is None else sum(t.numel() * t.element_size() for t in proxy.values())
 
-    def __contains__(self, key: tuple[str, int, int]) -> bool:
-        return key in self._items
+    def __contains__(self, slot: Slot) -> bool:
+        return slot in self._items
 
-    def get(self, key: tuple[str, int, int]) -> dict[str, Tensor] | None:
-        self._items.move_to_end(key)
-        return self._items[key]
+    def get(self, slot: Slot) -> dict[str, Tensor] | None:
+        self._items.move_to_end(slot)
+        return self._items[slot]
 
-    def put(self, key: tuple[str, int, int], proxy: dict[str, Tensor] | None) -> None:
+    def choose(self, key: str, version: int, level: int) -> Slot:
+        """The slot to draw a block at `level` from: that level's if held, else the nearest finer
+        merge held (as true to the block, fewer rows than the block, and no merge to make: a camera
+        that moves round a block changes its nearest depth, and with it the level, all the time),
+        else that level's, to be made."""
+        held = self._levels.get((key, version), set())
+        if level not in held:
+            finer = [lv for lv in held if lv > level and self._items[(key, version, lv)] is not None]
+            if finer:
+                return key, version, min(finer)
+        return key, version, level
+
+    def put(self, slot: Slot, proxy: dict[str, Tensor] | None) -> None:
         size = self._size(proxy)
-        if size > self.budget:
+        if size > self.budget or slot in self._items:
             return
-        self._items[key] = proxy
+        self._items[slot] = proxy
+        self._levels.setdefault(slot[:2], set()).add(slot[2])
         self._bytes += size
         while self._bytes > self.budget:
-            _, old = self._items.popitem(last=False)
-            self._bytes -= self._size(old)
+            old, dropped = self._items.popitem(last=False)
+            self._levels[old[:2]].discard(old[2])
+            if not self._levels[old[:2]]:
+                del self._levels[old[:2]]
+            self._bytes -= self._size(dropped)
 
     def nbytes(self) -> int:
         return self._bytes
 
     def clear(self) -> None:
         self._items.clear()
+        self._levels.clear()
         self._bytes = 0
 
 

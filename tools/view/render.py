@@ -24,7 +24,7 @@ from train.region import Region
 from train.render import RenderError, project, rasterize
 from train.render.splats2d import Splats2D
 from tools.view.config import ViewError
-from tools.view.lod import LodStats, ProxyCache, lod_level, proxy_for
+from tools.view.lod import LodStats, ProxyCache, Slot, lod_level, proxy_for
 
 
 _RETRIES = 5
@@ -158,22 +158,22 @@ class FrustumRenderer:
         stats.seconds = time.perf_counter() - start
         return rgb, stats
 
-    def _merged(self, keys: list[str], camera: Camera) -> dict[str, tuple[str, int, int]]:
-        """The blocks this frame draws merged -> their proxies' cache key (key, version, level);
-        a block once found not worth merging at that level is drawn as it is."""
+    def _merged(self, keys: list[str], camera: Camera) -> dict[str, Slot]:
+        """The blocks this frame draws merged -> the slot of their proxy (`ProxyCache.choose`); a
+        block once found not worth merging at that level is drawn as it is."""
         table = self.store.table
         out = {}
         for k in keys:
             level = lod_level(table[k], camera, self.lod_pixels)
             if level is None:
                 continue
-            slot = (k, table[k].version, level)
+            slot = self.proxies.choose(k, table[k].version, level)
             if slot in self.proxies and self.proxies.get(slot) is None:
                 continue
             out[k] = slot
         return out
 
-    def _rows(self, key: str, slot: tuple[str, int, int] | None, cached: dict[str, dict[str, Tensor]],
+    def _rows(self, key: str, slot: Slot | None, cached: dict[str, dict[str, Tensor]],
               blocks: dict[str, dict[str, Tensor]], stats: FrameStats) -> dict[str, Tensor]:
         """What the frame projects for `key`: its merged proxy (made from the pinned block and kept
         on a miss) or the block itself."""
