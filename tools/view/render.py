@@ -66,8 +66,9 @@ class FrameStats:
 
 class FrustumRenderer:
     """Renders `store`'s current commit through a params-only block cache of `budget_bytes`; made
-    with `lod_pixels` > 0, a quarter of the budget keeps merged blocks (`ProxyCache`) and the
-    block cache gets the rest (`lod_pixels` may then change between frames, 0 included)."""
+    with `lod_pixels` > 0, half the budget keeps merged blocks (`ProxyCache`: a view that
+    merges needs few blocks whole, and a view's proxies that do not fit are merged again every
+    frame) and the block cache gets the rest (`lod_pixels` may then change between frames, 0 included)."""
 
     def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
                  background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0) -> None:
@@ -75,7 +76,7 @@ class FrustumRenderer:
             raise ViewError("--device cuda asked for, but torch sees no CUDA device")
         self.store = store
         self.lod_pixels = lod_pixels  # the browser's slider may change it between frames
-        self.proxies = ProxyCache(budget_bytes // 4 if lod_pixels > 0 else 0)
+        self.proxies = ProxyCache(budget_bytes // 2 if lod_pixels > 0 else 0)
         self.budget = budget_bytes - self.proxies.budget
         self.device = torch.device(device)
         self.backend = "cuda" if device == "cuda" else "cpu"
