@@ -1,6 +1,7 @@
 """The browser viewer in real headless Chromium (Debian's package, driven by Playwright): the page
 loads, the block boxes and the server-side render show in a screenshot's pixels, selecting a
-block shows its statistics, and the store is byte for byte unchanged afterwards."""
+block shows its statistics, the level of detail's slider reaches the renderer, and the store is
+byte for byte unchanged afterwards."""
 from __future__ import annotations
 
 import io
@@ -110,6 +111,16 @@ def test_browser_shows_blocks_render_and_block_stats(lund_store: Path) -> None:
                 assert "render failed" not in page.inner_text("body")
                 page.get_by_label("splats in the browser").uncheck()
                 wait_for(lambda: not client.splats, 10, "splat nodes removed")
+
+                # The level of detail's slider (1 px by default in the browser) reaches the renderer,
+                # and the panel names the merged blocks of the next frames.
+                assert "merge below (px)" in page.inner_text("body") and viewer.renderer.lod_pixels == 1.0
+                page.get_by_label("render the scene").check()
+                viewer.detail.value = 8.0  # as the browser's slider sets it: on_update runs
+                assert viewer.renderer.lod_pixels == 8.0
+                wait_for(lambda: viewer.last_frame.lod.blocks > 0 and viewer.last_frame.width == VIEWPORT["width"], 60,
+                         "a full-resolution frame with merged blocks")
+                page.get_by_text("merged:").first.wait_for(timeout=20_000)
             finally:
                 browser.close()
     assert tree_digest(lund_store) == before
