@@ -69,7 +69,7 @@ class _Client:
 
     handle: viser.ClientHandle
     moved_at: float = 0.0
-    rendered_at: float = -1.0  # the moved_at of the last frame sent
+    rendered: tuple[float, int] = (-1.0, -1)  # (moved_at, Viewer.changes) of the last frame sent
     refined: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     splats: dict[str, viser.GaussianSplatHandle] = field(default_factory=dict)  # block key -> its node
@@ -85,6 +85,7 @@ class Viewer:
         self.scene = load_blocks(store, cfg.store, cfg.ranks, data.train if data else [])
         self.renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels)
         self.lock = threading.Lock()  # one render or refresh at a time: they share the store view and cache
+        self.changes = 0  # bumped by every change of what frames show (`_changed`)
         self.last_frame = FrameStats()
         self.server = viser.ViserServer(host=cfg.host, port=cfg.port, label="OctoSplat", verbose=False)
         if cfg.port and self.server.get_port() != cfg.port:
@@ -133,23 +134,27 @@ class Viewer:
         return (f"**{s.store_path.name}** commit {s.head}, step {s.step}: {len(s.rows)} blocks, "
                 f"{s.gaussians:,} Gaussians, {s.ranks} rank(s){follow}")
 
+    def _changed(self) -> None:
+        """Something every frame shows changed: each browser gets a new frame. A counter, not a
+        reset of each browser's state, so a frame in flight meanwhile cannot count as the new one."""
+        self.changes += 1
+
     def _toggle_splats(self) -> None:
         for c in list(self._clients.values()):
             if not self.show_splats.value:
                 self._drop_splats(c, list(c.splats))
-            c.rendered_at = -1.0
+        self._changed()
 
     def _set_detail(self) -> None:
         with self.lock:
             self.renderer.lod_pixels = float(self.detail.value)
-        for c in list(self._clients.values()):
-            c.rendered_at = -1.0
+        self._changed()
 
     def _toggle_render(self) -> None:
         for c in list(self._clients.values()):
             if not self.show_render.value:
                 c.handle.scene.set_background_image(None)
-            c.rendered_at = -1.0
+        self._changed()
 
     # ------------------------------------------------------------------ scene nodes
 
@@ -248,7 +253,8 @@ class Viewer:
             if moved_at == 0.0:  # no camera from the browser yet
                 continue
             moving = time.monotonic() - moved_at < SETTLE_S
-            if client.rendered_at == moved_at and (moving or client.refined):
+            wanted = (moved_at, self.changes)
+            if client.rendered == wanted and (moving or client.refined):
                 continue
             try:
                 if self.show_render.value:
@@ -260,7 +266,7 @@ class Viewer:
             except Exception as e:  # a server thread must report, not die: the panel says what failed
                 self.frame_md.content = f"**render failed:** {type(e).__name__}: {e}"
                 client.stop.wait(1.0)
-            client.rendered_at = moved_at
+            client.rendered = wanted
             client.refined = not moving
 
     def _send_splats(self, client: _Client) -> None:
@@ -314,8 +320,7 @@ class Viewer:
             if self.block.value not in keys:
                 self.block.value = keys[0]
             self._draw_blocks()
-            for c in list(self._clients.values()):
-                c.rendered_at = -1.0
+            self._changed()
         self.commit_md.content = self._commit_text()
         return changed
 
