@@ -70,7 +70,7 @@ def _rotmat_to_quat(R: Tensor) -> Tensor:  # [M, 3, 3] proper rotations -> [M, 4
         torch.stack([d02 / s, s10 / s, s / 4, s21 / s], dim=1),
         torch.stack([d10 / s, s02 / s, s21 / s, s / 4], dim=1),
     ]
-    return torch.stack(rows, dim=0)[pivot, torch.arange(R.shape[0])]
+    return torch.stack(rows, dim=0)[pivot, torch.arange(R.shape[0], device=R.device)]
 
 
 def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int) -> dict[str, Tensor]:
@@ -79,7 +79,8 @@ def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int)
     means = params["means"].double()  # [N, 3]
     n = means.shape[0]
     cells = 1 << level
-    lo = torch.tensor(tight[:3], dtype=torch.float64)
+    device = means.device  # the block cache's (the viewer's --device)
+    lo = torch.tensor(tight[:3], dtype=torch.float64, device=device)
     side = max(float(np.max(np.subtract(tight[3:], tight[:3]))), 1e-300)
     idx = ((means - lo) * (cells / side)).floor().clamp(0, cells - 1).long()  # [N, 3]
     code = idx[:, 0] | (idx[:, 1] << 21) | (idx[:, 2] << 42)
@@ -87,7 +88,7 @@ def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int)
     m = int(cube.max()) + 1 if n else 0
 
     def total(x: Tensor) -> Tensor:  # [N, ...] -> [M, ...] summed per cube
-        return torch.zeros((m, *x.shape[1:]), dtype=x.dtype).index_add_(0, cube, x)
+        return torch.zeros((m, *x.shape[1:]), dtype=x.dtype, device=device).index_add_(0, cube, x)
 
     alpha = torch.sigmoid(params["opacities"].double())  # [N]
     scales = torch.exp(params["scales"].double())  # [N, 3]
@@ -103,8 +104,9 @@ def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int)
     cov = 0.5 * (cov + cov.transpose(1, 2))
     eigval, eigvec = torch.linalg.eigh(cov)  # ascending
     eigval = eigval.clamp_min(_TINY)
-    eigvec = torch.where((torch.linalg.det(eigvec) < 0)[:, None, None], eigvec * torch.tensor([-1.0, 1.0, 1.0],
-                                                                                            dtype=torch.float64), eigvec)
+    # A proper rotation: flip the smallest axis where the eigenvectors make a left-handed frame.
+    handed = torch.linalg.cross(eigvec[:, :, 1], eigvec[:, :, 2]).mul(eigvec[:, :, 0]).sum(dim=1)  # det
+    eigvec = torch.cat([eigvec[:, :, :1] * torch.where(handed < 0, -1.0, 1.0)[:, None, None], eigvec[:, :, 1:]], dim=2)
     sigma = eigval.sqrt()
     merged_alpha = (wsum / (sigma[:, 1] * sigma[:, 2])).clamp(1e-6, ALPHA_MAX)
     out = {
