@@ -150,7 +150,8 @@ def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchCo
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if mode in ("viewer", "viewer-lod"):
         store = Store.open(store_path, mode="r", verify="table")
-        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20), lod_pixels=cfg.lod if mode == "viewer-lod" else 0.0)
+        lod = cfg.lod if mode == "viewer-lod" else 0.0
+        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20), lod_pixels=lod)
 
         def render_one(cam):
             rgb, stats = renderer.render(cam)
@@ -234,8 +235,8 @@ def main(argv: list[str]) -> int:
             merged = [psnr(x, y) for x, y in zip(frames["viewer-lod"][key], frames["viewer"][key])]
             print(f"| {key} PSNR dB against the exact viewer (min) | - | {np.mean(merged):.1f} ({min(merged):.1f}) | "
                   f"{np.mean(exact):.1f} ({min(exact):.1f}) |")
-    print(f"| peak RSS MiB (after imports) | {v['peak_rss_mib']:.0f} ({v['base_rss_mib']:.0f}) | "
-          f"{lod['peak_rss_mib']:.0f} ({lod['base_rss_mib']:.0f}) | {p['peak_rss_mib']:.0f} ({p['base_rss_mib']:.0f}) |")
+    rss = " | ".join(f"{r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f})" for r in (v, lod, p))
+    print(f"| peak RSS MiB (after imports) | {rss} |")
     return 0
 
 

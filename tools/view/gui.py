@@ -115,7 +115,8 @@ class Viewer:
         self.show_render = gui.add_checkbox("render the scene", True)
         self.show_splats = gui.add_checkbox("splats in the browser", False,
                                             hint=f"the visible blocks nearest the camera, up to {CLIENT_BUDGET:,} Gaussians")
-        self.detail = gui.add_slider("merge below (px)", min=0.0, max=8.0, step=0.5, initial_value=min(self.cfg.lod_pixels, 8.0),
+        self.detail = gui.add_slider("merge below (px)", min=0.0, max=max(8.0, self.cfg.lod_pixels), step=0.5,
+                                     initial_value=self.cfg.lod_pixels,
                                      hint="level of detail: blocks seen at sub-pixel size are drawn merged per cube of "
                                           "about this many pixels; 0 draws every Gaussian",
                                      disabled=self.cfg.lod_pixels == 0)

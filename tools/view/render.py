@@ -65,10 +65,10 @@ class FrameStats:
 
 
 class FrustumRenderer:
-    """Renders `store`'s current commit through a params-only block cache of `budget_bytes`; made
-    with `lod_pixels` > 0, half the budget keeps merged blocks (`ProxyCache`: a view that
-    merges needs few blocks whole, and a view's proxies that do not fit are merged again every
-    frame) and the block cache gets the rest (`lod_pixels` may then change between frames, 0 included)."""
+    """Renders `store`'s current commit through a params-only block cache of `budget_bytes`. Made
+    with `lod_pixels` > 0, half the budget keeps merged blocks (`ProxyCache`: a view that merges
+    needs few blocks whole, and a view's proxies that do not fit are merged again every frame)
+    and the block cache gets the rest; `lod_pixels` may then change between frames, 0 included."""
 
     def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
                  background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0) -> None:
@@ -134,12 +134,12 @@ class FrustumRenderer:
         for group in self._groups(keys):
             if cancelled():
                 raise FrameCancelled
-            # Taken before any merge of this group can push them out of the LRU.
-            cached = {k: proxy for k in group if k in merged and merged[k] in self.proxies
-                      and (proxy := self.proxies.get(merged[k])) is not None}
+            # Taken before any merge of this group can push them out of the LRU (never None: `_merged`).
+            cached = {k: self.proxies.get(merged[k]) for k in group if k in merged and merged[k] in self.proxies}
             blocks = self._pin([k for k in group if k not in cached], stats)
             try:
-                rows = [self._rows(k, merged.get(k), cached, blocks, stats) for k in group if k in cached or k in blocks]
+                rows = [self._rows(k, merged.get(k), cached, blocks, stats)
+                        for k in group if k in cached or k in blocks]
                 if rows:
                     splats = {n: torch.cat([r[n] for r in rows]) for n in PARAM_NAMES}
                     stats.blocks += len(rows)
