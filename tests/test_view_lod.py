@@ -142,3 +142,22 @@ def test_the_proxy_cache_reuses_a_finer_merge_and_evicts_the_oldest() -> None:
     assert cache.nbytes() == 240
     cache.put(("d", 1, 1), {"means": torch.zeros(100, 3)})  # larger than the whole budget: not kept
     assert ("d", 1, 1) not in cache and cache.nbytes() == 240
+
+
+def test_the_jacobi_eigensolver_matches_lapack_on_round_flat_and_tiny_covariances() -> None:
+    from tools.view.lod import _eigh3
+
+    rng = np.random.default_rng(1)
+    B = rng.normal(size=(600, 3, 3))
+    A = B @ B.transpose(0, 2, 1)
+    A[:100] *= 1e-10  # tiny Gaussians
+    Q, _ = np.linalg.qr(rng.normal(size=(100, 3, 3)))
+    A[100:200] = Q @ (np.array([1e-12, 1.0, 2.0])[None, :, None] * Q.transpose(0, 2, 1))  # flat
+    A[200:300] = np.eye(3) * 0.5  # round: every axis an eigenvector
+    A[300:400] = np.diag([3.0, 1.0, 1.0])  # two equal
+    vals, vecs = _eigh3(A)
+    size = np.abs(A).max(axis=(1, 2))  # [M]
+    assert (np.abs(vals - np.linalg.eigvalsh(A)).max(axis=1) <= 1e-12 * size).all()
+    np.testing.assert_allclose(vecs.transpose(0, 2, 1) @ vecs, np.broadcast_to(np.eye(3), A.shape), atol=1e-12)
+    rebuilt = vecs @ (vals[:, :, None] * vecs.transpose(0, 2, 1))
+    assert (np.abs(rebuilt - A).max(axis=(1, 2)) <= 1e-12 * size).all()

@@ -10,7 +10,8 @@ opacity times face-on area, with the opacity that keeps that weighted area. A cu
 Gaussian gives it back unchanged (to float rounding), so the merge only changes what a pixel
 could not resolve anyway.
 
-The proxies of a block depend only on its version and the level (the cube count per side, a
+The merge is two compiled passes over the Gaussians (weights and means, then covariances and
+colours) and a Jacobi eigensolver per cube. The proxies of a block depend only on its version and the level (the cube count per side, a
 power of two), so they are kept in a small LRU beside the block cache and reused as the camera
 moves; only the level's choice depends on the camera."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gsplat.utils import normalized_quat_to_rotmat
+from numba import njit
 from torch import Tensor
 
 from octree.semantics import ALPHA_MAX, NEAR_PLANE
@@ -70,39 +71,123 @@ def _rotmat_to_quat(R: Tensor) -> Tensor:  # [M, 3, 3] proper rotations -> [M, 4
         torch.stack([d02 / s, s10 / s, s / 4, s21 / s], dim=1),
         torch.stack([d10 / s, s02 / s, s21 / s, s / 4], dim=1),
     ]
-    return torch.stack(rows, dim=0)[pivot, torch.arange(R.shape[0], device=R.device)]
+    return torch.stack(rows, dim=0)[pivot, torch.arange(R.shape[0])]
+
+
+@njit(cache=True)
+def _cube_moments(means, scales, quats, logits, colours, cube, m):  # pragma: no cover (compiled)
+    """Per cube: the summed weight [M], weighted mean [M, 3], weighted covariance about that mean
+    [M, 3, 3] and weighted colour coefficients [M, C], in float64 (see `merge_block`).
+    means, scales (log), quats [N, 3|3|4], logits [N], colours [N, C] float32; cube [N] int64."""
+    n = means.shape[0]
+    weight = np.empty(n)
+    wsum = np.zeros(m)
+    mean = np.zeros((m, 3))
+    for i in range(n):
+        s0, s1, s2 = math.exp(scales[i, 0]), math.exp(scales[i, 1]), math.exp(scales[i, 2])
+        face = s0 * s1 * s2 / min(s0, s1, s2)  # the two largest axes: the face-on area
+        weight[i] = face / (1.0 + math.exp(-logits[i]))  # times the opacity
+        c = cube[i]
+        wsum[c] += weight[i]
+        for k in range(3):
+            mean[c, k] += weight[i] * means[i, k]
+    for c in range(m):
+        wsum[c] = max(wsum[c], 1e-300)
+        for k in range(3):
+            mean[c, k] /= wsum[c]
+    cov = np.zeros((m, 3, 3))
+    colour = np.zeros((m, colours.shape[1]))
+    R = np.empty((3, 3))
+    var = np.empty(3)
+    d = np.empty(3)
+    for i in range(n):
+        c = cube[i]
+        share = weight[i] / wsum[c]
+        qw, qx, qy, qz = quats[i, 0], quats[i, 1], quats[i, 2], quats[i, 3]
+        norm = math.sqrt(qw * qw + qx * qx + qy * qy + qz * qz)
+        qw, qx, qy, qz = qw / norm, qx / norm, qy / norm, qz / norm
+        R[0, 0], R[0, 1], R[0, 2] = 1 - 2 * (qy * qy + qz * qz), 2 * (qx * qy - qw * qz), 2 * (qx * qz + qw * qy)
+        R[1, 0], R[1, 1], R[1, 2] = 2 * (qx * qy + qw * qz), 1 - 2 * (qx * qx + qz * qz), 2 * (qy * qz - qw * qx)
+        R[2, 0], R[2, 1], R[2, 2] = 2 * (qx * qz - qw * qy), 2 * (qy * qz + qw * qx), 1 - 2 * (qx * qx + qy * qy)
+        for k in range(3):
+            var[k] = math.exp(2.0 * scales[i, k])
+            d[k] = means[i, k] - mean[c, k]  # about the cube's mean: no cancellation far from the origin
+        for j in range(3):
+            for k in range(3):
+                own = R[j, 0] * var[0] * R[k, 0] + R[j, 1] * var[1] * R[k, 1] + R[j, 2] * var[2] * R[k, 2]
+                cov[c, j, k] += share * (own + d[j] * d[k])
+        for k in range(colours.shape[1]):
+            colour[c, k] += share * colours[i, k]
+    return wsum, mean, cov, colour
+
+
+@njit(cache=True)
+def _eigh3(cov):  # pragma: no cover (compiled)
+    """Eigenvalues [M, 3] (ascending) and eigenvectors [M, 3, 3] (columns) of symmetric 3x3
+    matrices [M, 3, 3], by cyclic Jacobi rotations (a batched LAPACK call spent 1.3 us a matrix)."""
+    m = cov.shape[0]
+    vals = np.empty((m, 3))
+    vecs = np.empty((m, 3, 3))
+    A = np.empty((3, 3))
+    V = np.empty((3, 3))
+    for c in range(m):
+        for j in range(3):
+            for k in range(3):
+                A[j, k] = 0.5 * (cov[c, j, k] + cov[c, k, j])
+                V[j, k] = 1.0 if j == k else 0.0
+        scale = abs(A[0, 0]) + abs(A[1, 1]) + abs(A[2, 2])
+        for _ in range(32):
+            off = A[0, 1] * A[0, 1] + A[0, 2] * A[0, 2] + A[1, 2] * A[1, 2]
+            if off <= 1e-36 * scale * scale or off == 0.0:
+                break
+            for p, q in ((0, 1), (0, 2), (1, 2)):
+                if A[p, q] == 0.0:
+                    continue
+                theta = (A[q, q] - A[p, p]) / (2.0 * A[p, q])
+                t = 1.0 / (abs(theta) + math.sqrt(theta * theta + 1.0))
+                if theta < 0:
+                    t = -t
+                cs = 1.0 / math.sqrt(t * t + 1.0)
+                sn = t * cs
+                for k in range(3):  # A J, then J^T (A J), with J the rotation in the (p, q) plane
+                    akp, akq = A[k, p], A[k, q]
+                    A[k, p], A[k, q] = cs * akp - sn * akq, sn * akp + cs * akq
+                for k in range(3):
+                    apk, aqk = A[p, k], A[q, k]
+                    A[p, k], A[q, k] = cs * apk - sn * aqk, sn * apk + cs * aqk
+                for k in range(3):
+                    vkp, vkq = V[k, p], V[k, q]
+                    V[k, p], V[k, q] = cs * vkp - sn * vkq, sn * vkp + cs * vkq
+        lo = 0 if A[0, 0] <= A[1, 1] and A[0, 0] <= A[2, 2] else (1 if A[1, 1] <= A[2, 2] else 2)
+        hi = 2 if A[2, 2] >= A[1, 1] and A[2, 2] >= A[0, 0] else (1 if A[1, 1] >= A[0, 0] else 0)
+        if hi == lo:  # all three equal
+            hi = 2 if lo != 2 else 1
+        for j, col in enumerate((lo, 3 - lo - hi, hi)):
+            vals[c, j] = A[col, col]
+            for k in range(3):
+                vecs[c, k, j] = V[k, col]
+    return vals, vecs
 
 
 def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int) -> dict[str, Tensor]:
     """The block's Gaussians merged per cube of its tight box cut 2^level a side (see the module
-    docstring); the same parameter names and layout as a block, float32, cubes in code order."""
-    means = params["means"].double()  # [N, 3]
-    n = means.shape[0]
+    docstring); the same parameter names and layout as a block, float32, cubes in code order, on
+    the block's device (merged on the CPU)."""
+    device = params["means"].device  # the block cache's (the viewer's --device)
+    p = {k: v.detach().cpu().float() for k, v in params.items()}
+    n = p["means"].shape[0]
     cells = 1 << level
-    device = means.device  # the block cache's (the viewer's --device)
-    lo = torch.tensor(tight[:3], dtype=torch.float64, device=device)
+    lo = torch.tensor(tight[:3], dtype=torch.float64)
     side = max(float(np.max(np.subtract(tight[3:], tight[:3]))), 1e-300)
-    idx = ((means - lo) * (cells / side)).floor().clamp(0, cells - 1).long()  # [N, 3]
+    idx = ((p["means"].double() - lo) * (cells / side)).floor().clamp(0, cells - 1).long()  # [N, 3]
     code = idx[:, 0] | (idx[:, 1] << 21) | (idx[:, 2] << 42)
     _, cube = torch.unique(code, return_inverse=True)  # [N] cube of each Gaussian, in code order
     m = int(cube.max()) + 1 if n else 0
-
-    def total(x: Tensor) -> Tensor:  # [N, ...] -> [M, ...] summed per cube
-        return torch.zeros((m, *x.shape[1:]), dtype=x.dtype, device=device).index_add_(0, cube, x)
-
-    alpha = torch.sigmoid(params["opacities"].double())  # [N]
-    scales = torch.exp(params["scales"].double())  # [N, 3]
-    ordered = scales.sort(dim=1).values
-    weight = alpha * ordered[:, 1] * ordered[:, 2]  # opacity x face-on area (the two largest axes)
-    wsum = total(weight).clamp_min(1e-300)  # [M]
-    share = weight / wsum[cube]  # [N] each Gaussian's part of its cube
-    mean = total(share[:, None] * means)  # [M, 3]
-    R = normalized_quat_to_rotmat(torch.nn.functional.normalize(params["quats"].double(), dim=1))  # [N, 3, 3]
-    off = means - mean[cube]  # centred on the cube's mean: no cancellation far from the origin
-    second = (R * scales[:, None, :] ** 2) @ R.transpose(1, 2) + off[:, :, None] * off[:, None, :]
-    cov = total(share[:, None, None] * second)  # [M, 3, 3]
-    cov = 0.5 * (cov + cov.transpose(1, 2))
-    eigval, eigvec = torch.linalg.eigh(cov)  # ascending
+    colours = torch.cat([p["sh0"].reshape(n, -1), p["shN"].reshape(n, -1)], dim=1)  # [N, 3 + 3K]
+    wsum, mean, cov, colour = (torch.from_numpy(a) for a in _cube_moments(
+        p["means"].contiguous().numpy(), p["scales"].contiguous().numpy(), p["quats"].contiguous().numpy(),
+        p["opacities"].contiguous().numpy(), colours.contiguous().numpy(), cube.numpy(), m))
+    eigval, eigvec = (torch.from_numpy(a) for a in _eigh3(cov.numpy()))  # ascending
     eigval = eigval.clamp_min(_TINY)
     # A proper rotation: flip the smallest axis where the eigenvectors make a left-handed frame.
     handed = torch.linalg.cross(eigvec[:, :, 1], eigvec[:, :, 2]).mul(eigvec[:, :, 0]).sum(dim=1)  # det
@@ -114,10 +199,10 @@ def merge_block(params: dict[str, Tensor], tight: tuple[float, ...], level: int)
         "scales": sigma.log(),
         "quats": _rotmat_to_quat(eigvec),
         "opacities": merged_alpha.log() - torch.log1p(-merged_alpha),
-        "sh0": total(share[:, None, None] * params["sh0"].double()),
-        "shN": total(share[:, None, None] * params["shN"].double()),
+        "sh0": colour[:, :3].reshape(m, *p["sh0"].shape[1:]),
+        "shN": colour[:, 3:].reshape(m, *p["shN"].shape[1:]),
     }
-    return {k: out[k].float().contiguous() for k in PARAM_NAMES}
+    return {k: out[k].float().contiguous().to(device) for k in PARAM_NAMES}
 
 
 @dataclass
