@@ -11,9 +11,9 @@ Gaussian gives it back unchanged (to float rounding), so the merge only changes 
 could not resolve anyway.
 
 The merge is two compiled passes over the Gaussians (weights and means, then covariances and
-colours) and a Jacobi eigensolver per cube. The proxies of a block depend only on its version and the level (the cube count per side, a
-power of two), so they are kept in a small LRU beside the block cache and reused as the camera
-moves; only the level's choice depends on the camera."""
+colours) and a Jacobi eigensolver per cube. The proxies of a block depend only on its version
+and the level (the cube count per side, a power of two), so they are kept in a small LRU beside
+the block cache and reused as the camera moves; only the level's choice depends on the camera."""
 from __future__ import annotations
 
 import math
