@@ -8,6 +8,7 @@ With a level of detail (`lod_pixels` > 0), blocks the camera sees at sub-pixel s
 merged (`tools/view/lod.py`); with 0 the frame is exactly `render()` of the store."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -66,9 +67,10 @@ class FrameStats:
 
 class FrustumRenderer:
     """Renders `store`'s current commit through a params-only block cache of `budget_bytes`. Made
-    with `lod_pixels` > 0, half the budget keeps merged blocks (`ProxyCache`: a view that merges
-    needs few blocks whole, and a view's proxies that do not fit are merged again every frame)
-    and the block cache gets the rest; `lod_pixels` may then change between frames, 0 included."""
+    with `lod_pixels` > 0, merged blocks (`ProxyCache`) share that budget: they may take up to
+    half of it (a view's proxies that do not fit would be merged again every frame), and what
+    they hold is reserved in the block cache (`BlockCache.working`), so blocks get the rest, all
+    of it in a view that merges nothing. `lod_pixels` may then change between frames, 0 included."""
 
     def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
                  background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0) -> None:
@@ -77,7 +79,9 @@ class FrustumRenderer:
         self.store = store
         self.lod_pixels = lod_pixels  # the browser's slider may change it between frames
         self.proxies = ProxyCache(budget_bytes // 2 if lod_pixels > 0 else 0)
-        self.budget = budget_bytes - self.proxies.budget
+        self.budget = budget_bytes
+        self._held = contextlib.ExitStack()  # the proxies' reservation in the block cache
+        self._held_bytes = 0
         self.device = torch.device(device)
         self.backend = "cuda" if device == "cuda" else "cpu"
         self.background = torch.tensor(background, dtype=torch.float32, device=self.device)
@@ -91,6 +95,7 @@ class FrustumRenderer:
         """A new commit: blocks resident from the old one may be stale, so the cache starts over."""
         if self._head == self.store.head and self.cache is not None:
             return
+        self._hold_proxies(0)
         if self.cache is not None:
             self.cache.close()
         self.cache = BlockCache(self.store, self.budget, self.device, params_only=True)
@@ -150,6 +155,7 @@ class FrustumRenderer:
                         raise ViewError(f"store {self.store.name}, blocks {', '.join(group)}: {e}") from e
             finally:
                 self.cache.unpin(blocks)
+            self._hold_proxies(self.proxies.nbytes())
         stats.gaussians = sum(table[k].count for k in keys if k not in self.bad)
         s = Splats2D.cat(parts) if parts else Splats2D.empty(self.device)
         stats.splats = len(s)
@@ -236,6 +242,20 @@ class FrustumRenderer:
             raise
         return blocks
 
+    def _hold_proxies(self, nbytes: int) -> None:
+        """Reserve `nbytes` (what the proxies hold) in the block cache, evicting unpinned blocks to
+        make room; never refused, as the proxies are bounded by half the budget and a group's
+        pins by the other half."""
+        if nbytes == self._held_bytes:
+            return
+        self._held.close()
+        self._held = contextlib.ExitStack()
+        self._held_bytes = 0
+        if nbytes and self.cache is not None:
+            self._held.enter_context(self.cache.working(nbytes, "the level of detail's merged blocks", strict=False))
+            self._held_bytes = nbytes
+
     def close(self) -> None:
+        self._hold_proxies(0)
         if self.cache is not None:
             self.cache.close()
