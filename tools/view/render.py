@@ -134,6 +134,7 @@ class FrustumRenderer:
         table = self.store.table
         stats = FrameStats(width=camera.width, height=camera.height)
         misses, read = self.cache.stats.misses, self.cache.stats.bytes_read
+        self._hold_proxies(self.proxies.nbytes())  # a frame an error cut short may have merged unreserved
         merged = self._merged(keys, camera)
         parts = []
         for group in self._groups(keys):
