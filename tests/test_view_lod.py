@@ -15,7 +15,7 @@ from storage import Store
 from storage.table import BlockInfo
 from train.camera import Camera
 from tools.view.cameras import orbit
-from tools.view.lod import lod_level, merge_block
+from tools.view.lod import lod_levels, merge_block
 from tools.view.render import FrustumRenderer
 from tools.view.scene import load_blocks
 
@@ -84,6 +84,11 @@ def _camera_at(z: float, width: int = 640, focal: float = 500.0) -> Camera:
     view[:3, 3] = [-0.5, -0.5, -z]
     K = np.array([[focal, 0, width / 2], [0, focal, width / 2], [0, 0, 1]])
     return Camera(view, K, width, width)
+
+
+def lod_level(info: BlockInfo, camera: Camera, pixels: float) -> int | None:
+    (level,) = lod_levels([info], camera, pixels)
+    return level
 
 
 def test_the_level_follows_the_blocks_size_on_screen() -> None:

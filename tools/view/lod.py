@@ -25,36 +25,36 @@ import torch
 from numba import njit
 from torch import Tensor
 
+from octree.order import box_depths
 from octree.semantics import ALPHA_MAX, NEAR_PLANE
 from storage.schema import PARAM_NAMES
 from storage.table import BlockInfo
 from train.camera import Camera
+from train.render.cpu.mat3 import quat_to_rotmat
 
 MAX_LEVEL = 20  # 2^20 cubes a side: three 21-bit cube indices pack into one int64
 _TINY = 1e-30  # floor of a covariance eigenvalue (a Gaussian flat to float64's resolution)
 
 
-def lod_level(info: BlockInfo, camera: Camera, pixels: float) -> int | None:
-    """The level (2^level cubes a side of the block's tight box) at which a cube spans at most
-    `pixels` pixels at the block's nearest depth, or None where merging cannot pay: the camera
-    at or inside the block's extent, or a level whose cubes could hold each Gaussian alone (a
-    surface crossing 2^level cubes a side fills about 4^level of them)."""
-    if pixels <= 0 or info.count < 2:
-        return None
-    lo, hi = np.asarray(info.tight[:3]), np.asarray(info.tight[3:])
-    side = float(np.max(hi - lo))
-    if not side > 0:
-        return None
-    ext = np.asarray(info.extent, dtype=np.float64).reshape(2, 3)
-    corners = np.stack(np.meshgrid(*ext.T, indexing="ij"), axis=-1).reshape(8, 3)
-    depth = float((corners @ camera.viewmat[2, :3] + camera.viewmat[2, 3]).min())
-    if depth <= NEAR_PLANE:
-        return None
+def lod_levels(infos: list[BlockInfo], camera: Camera, pixels: float) -> list[int | None]:
+    """Per block, the level (2^level cubes a side of its tight box) at which a cube spans at most
+    `pixels` pixels at the block's nearest depth (`octree.order.box_depths` of its extent box), or
+    None where merging cannot pay: the camera at or inside the block's extent, or a level whose
+    cubes could hold each Gaussian alone (a surface crossing 2^level cubes a side fills about
+    4^level of them)."""
+    if pixels <= 0 or not infos:
+        return [None] * len(infos)
+    depths = box_depths(np.array([i.extent for i in infos], dtype=np.float64), camera.viewmat)  # [B]
     focal = float(max(camera.K[0, 0], camera.K[1, 1]))
-    level = max(0, math.ceil(math.log2(side * focal / (depth * pixels))))
-    if level > MAX_LEVEL or 4**level >= info.count:
-        return None
-    return level
+    levels: list[int | None] = []
+    for info, depth in zip(infos, depths.tolist()):
+        side = float(np.max(np.subtract(info.tight[3:], info.tight[:3])))
+        if info.count < 2 or not side > 0 or not depth > NEAR_PLANE:
+            levels.append(None)
+            continue
+        level = max(0, math.ceil(math.log2(side * focal / (depth * pixels))))
+        levels.append(None if level > MAX_LEVEL or 4**level >= info.count else level)
+    return levels
 
 
 def _rotmat_to_quat(R: Tensor) -> Tensor:  # [M, 3, 3] proper rotations -> [M, 4] wxyz
@@ -97,7 +97,6 @@ def _cube_moments(means, scales, quats, logits, colours, cube, m):  # pragma: no
             mean[c, k] /= wsum[c]
     cov = np.zeros((m, 3, 3))
     colour = np.zeros((m, colours.shape[1]))
-    R = np.empty((3, 3))
     var = np.empty(3)
     d = np.empty(3)
     for i in range(n):
@@ -105,16 +104,14 @@ def _cube_moments(means, scales, quats, logits, colours, cube, m):  # pragma: no
         share = weight[i] / wsum[c]
         qw, qx, qy, qz = quats[i, 0], quats[i, 1], quats[i, 2], quats[i, 3]
         norm = math.sqrt(qw * qw + qx * qx + qy * qy + qz * qz)
-        qw, qx, qy, qz = qw / norm, qx / norm, qy / norm, qz / norm
-        R[0, 0], R[0, 1], R[0, 2] = 1 - 2 * (qy * qy + qz * qz), 2 * (qx * qy - qw * qz), 2 * (qx * qz + qw * qy)
-        R[1, 0], R[1, 1], R[1, 2] = 2 * (qx * qy + qw * qz), 1 - 2 * (qx * qx + qz * qz), 2 * (qy * qz - qw * qx)
-        R[2, 0], R[2, 1], R[2, 2] = 2 * (qx * qz - qw * qy), 2 * (qy * qz + qw * qx), 1 - 2 * (qx * qx + qy * qy)
+        R = quat_to_rotmat(qw / norm, qx / norm, qy / norm, qz / norm)  # row-major 3x3 as 9 values
         for k in range(3):
             var[k] = math.exp(2.0 * scales[i, k])
             d[k] = means[i, k] - mean[c, k]  # about the cube's mean: no cancellation far from the origin
         for j in range(3):
             for k in range(3):
-                own = R[j, 0] * var[0] * R[k, 0] + R[j, 1] * var[1] * R[k, 1] + R[j, 2] * var[2] * R[k, 2]
+                own = (R[3 * j] * var[0] * R[3 * k] + R[3 * j + 1] * var[1] * R[3 * k + 1]
+                       + R[3 * j + 2] * var[2] * R[3 * k + 2])
                 cov[c, j, k] += share * (own + d[j] * d[k])
         for k in range(colours.shape[1]):
             colour[c, k] += share * colours[i, k]

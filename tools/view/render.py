@@ -25,7 +25,7 @@ from train.region import Region
 from train.render import RenderError, project, rasterize
 from train.render.splats2d import Splats2D
 from tools.view.config import ViewError
-from tools.view.lod import LodStats, ProxyCache, Slot, lod_level, proxy_for
+from tools.view.lod import LodStats, ProxyCache, Slot, lod_levels, proxy_for
 
 
 _RETRIES = 5
@@ -171,8 +171,7 @@ class FrustumRenderer:
         block once found not worth merging at that level is drawn as it is."""
         table = self.store.table
         out = {}
-        for k in keys:
-            level = lod_level(table[k], camera, self.lod_pixels)
+        for k, level in zip(keys, lod_levels([table[k] for k in keys], camera, self.lod_pixels)):
             if level is None:
                 continue
             slot = self.proxies.choose(k, table[k].version, level)
