@@ -224,3 +224,39 @@ def test_prefetcher_yields_what_the_loader_loads(shared_data):
         for sample in images:
             torch.testing.assert_close(sample.rgb, scene.load_image(sample.camera))
             assert sample.alpha is not None and sample.alpha.shape == (1024, 1024, 1)
+
+
+def test_decoded_images_stay_in_memory_within_their_budget(shared_data, tmp_path):
+    data = _copy_vesta(shared_data, tmp_path / "vesta")
+    one_image = 128 * 128 * 4  # data_factor 8: 128x128 RGBA, 8 bits
+    scene = load_scene(data, DataConfig(data_factor=8, image_memory_mb=1.5 * one_image / 2**20))
+    a, b = scene.train_cameras[:2]
+    first = scene.load_image(a)
+    reference = load_scene(data, DataConfig(data_factor=8, image_memory_mb=0)).load_image(a)  # decoded afresh
+    first.fill_(0.5)  # what a caller does to its tensor must not reach the kept pixels
+    for gone in (data / "images" / a.name, data / "images_8" / a.name):
+        gone.unlink()
+    # From memory: neither the original nor its cached copy is read.
+    torch.testing.assert_close(scene.load_image(a), reference, rtol=0, atol=0)
+    # The budget holds one image: loading b drops a, which then has no file left to come from.
+    scene.load_image(b)
+    with pytest.raises(ImageError, match=a.name):
+        scene.load_image(a)
+    torch.testing.assert_close(scene.load_image(b), load_scene(data, DataConfig(data_factor=8, check_images=False)).load_image(b))
+
+
+def test_no_image_memory_reads_the_file_every_time(shared_data, tmp_path):
+    data = _copy_vesta(shared_data, tmp_path / "vesta")
+    scene = load_scene(data, DataConfig(data_factor=8, image_memory_mb=0))
+    cam = scene.train_cameras[0]
+    scene.load_image(cam)
+    (data / "images" / cam.name).unlink()
+    (data / "images_8" / cam.name).unlink()
+    with pytest.raises(ImageError, match=cam.name):
+        scene.load_image(cam)
+
+
+@pytest.mark.parametrize("mb", [-1.0, float("nan"), float("inf")])
+def test_image_memory_must_be_a_finite_size(mb):
+    with pytest.raises(ValueError, match="image_memory_mb"):
+        DataConfig(image_memory_mb=mb)

@@ -194,6 +194,12 @@ def test_bad_learning_rates_are_refused(flag, value, capsys):
     assert err.startswith(f"error: {flag} {value}") or err.startswith(f"error: {flag} {float(value)}")
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bad_image_memory_is_refused(value, capsys):
+    assert train_main(["--data", "d", "--store", "s", "--image-memory-mb", value]) == 1
+    assert capsys.readouterr().err.startswith(f"error: --image-memory-mb {float(value)}: must be a finite number >= 0")
+
+
 def test_learning_rate_defaults_are_gsplats():
     o = OptimConfig()
     assert (o.means_lr, o.scales_lr, o.opacities_lr, o.quats_lr, o.sh0_lr, o.ssim_lambda) == \

@@ -73,6 +73,7 @@ class TrainConfig:
     cache_mb: float | None = None  # each rank's memory budget in MiB: its cached blocks and the step's working memory (gathered rows, gradients, projections, 2D splats); a view larger than it is paged in waves (default: a quarter of available memory)
     device: str = "auto"  # cpu | cuda | auto (cuda when available)
     data_factor: int = 1  # image downscale factor
+    image_memory_mb: float = 256.0  # decoded training images kept in memory (MiB, least recently used dropped first; not part of --cache-mb), so each is decoded once and not every epoch; 0 keeps none
     test_every: int = 8  # every N-th image is held out for evaluation
     locality_window: int = 100  # reorder each window of this many steps (at most an epoch) into a nearest-neighbour chain of where the cameras look, so consecutive steps see the same blocks and an out-of-core cache pages less; 0 keeps gsplat's random order
     eval_every: int = 0  # evaluate every N steps (0: only at the end)
@@ -105,6 +106,8 @@ class TrainConfig:
             raise ConfigError(f"--sh-degree {self.sh_degree}: must be in [0, {MAX_SH_DEGREE}]")
         if self.cache_mb is not None and not (math.isfinite(self.cache_mb) and self.cache_mb > 0):
             raise ConfigError(f"--cache-mb {self.cache_mb}: must be a positive number")
+        if not (math.isfinite(self.image_memory_mb) and self.image_memory_mb >= 0):
+            raise ConfigError(f"--image-memory-mb {self.image_memory_mb}: must be a finite number >= 0")
         if self.adam not in ADAM_MODES:
             raise ConfigError(f"--adam {self.adam!r}: choose from {', '.join(ADAM_MODES)}")
         if not all(math.isfinite(v) for v in self.background):

@@ -85,6 +85,7 @@ def load_cameras(cfg: TrainConfig, store: Store) -> Scene:
     """Cameras of the dataset moved into the frame the store was tiled in."""
     # The store holds the Gaussians: the dataset's point cloud is not needed.
     data = load_scene(cfg.data, DataConfig(data_factor=cfg.data_factor, test_every=cfg.test_every, normalize=False,
+                                           image_memory_mb=cfg.image_memory_mb,
                                            allow_external_images=cfg.allow_external_images, point_cloud=False))
     T = np.asarray(store.attrs.get("world_transform", np.eye(4)), dtype=np.float64)
     train = [c.transformed(T) for c in data.train_cameras]

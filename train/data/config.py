@@ -18,6 +18,8 @@ class DataConfig:
     cache_dir: where downscaled / undistorted images go. None: next to the images (`images_4/`) when
         that folder is writable, else under ~/.cache/octosplat/. A path: under it, one folder per dataset.
     prefetch: how many upcoming images `SceneData.prefetcher` keeps loaded ahead of training.
+    image_memory_mb: decoded images kept in memory, in MiB (least recently used dropped first), so
+        that training decodes each image once and not once an epoch; 0 keeps none.
     background: RGB in [0, 1] on which RGBA images are composited (their alpha is also kept as a mask).
     check_images: read every image's header while loading the scene, so a missing, unreadable or
         wrongly sized image fails at once and not hours into training. Headers only, no pixels.
@@ -37,6 +39,7 @@ class DataConfig:
     normalize: bool = True
     cache_dir: Path | None = None
     prefetch: int = 4
+    image_memory_mb: float = 256.0
     background: tuple[float, float, float] = (0.0, 0.0, 0.0)
     check_images: bool = True
     random_points: int = 100_000
@@ -49,6 +52,8 @@ class DataConfig:
             raise ValueError(f"data_factor must be a positive integer, got {self.data_factor!r}")
         if self.test_every < 0 or self.test_every == 1:
             raise ValueError(f"test_every must be 0 (no test split) or at least 2, got {self.test_every}")
+        if not 0.0 <= self.image_memory_mb < float("inf"):
+            raise ValueError(f"image_memory_mb must be a finite number >= 0, got {self.image_memory_mb!r}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {self.prefetch}")
         if len(self.background) != 3 or not all(0.0 <= c <= 1.0 for c in self.background):

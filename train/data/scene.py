@@ -149,7 +149,7 @@ def load_scene(path: str | Path, cfg: DataConfig = DataConfig()) -> SceneData:
         train_cameras=[c for c, t in zip(cameras, is_test) if not t],
         test_cameras=[c for c, t in zip(cameras, is_test) if t],
         points=points, colors=colors, world_transform=np.eye(4), scene_scale=_scene_scale(cameras),
-        image_loader=ImageLoader(cfg.background), kind=raw.kind, source=raw.source,
+        image_loader=ImageLoader(cfg.background, int(cfg.image_memory_mb * 2**20)), kind=raw.kind, source=raw.source,
         random_points=random_points, prefetch=cfg.prefetch,
     )
     return scene.with_transform(T) if cfg.normalize else scene
