@@ -3,7 +3,8 @@
 No I/O and no torch: numpy (and scipy's k-d tree for adjacency) only.
 """
 from octree.assign import assign_points
-from octree.boxes import box_box_distance, extent_boxes, point_box_distance, tight_boxes
+from octree.bounds import extent_boxes, tight_boxes
+from octree.boxes import box_box_distance, point_box_distance
 from octree.build import Octree, build_octree, leaves_from_sorted_codes, locate
 from octree.cull import frustum_cull
 from octree.keys import BlockKey, parse_key

@@ -1,4 +1,5 @@
-"""Boxes of a block: the tight box of its means and the 3-sigma extent box used for culling."""
+"""Boxes of a block: the tight box of its means and the 3-sigma extent box used for culling; and
+the same for many blocks at once, bit for bit."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,9 +14,7 @@ EMPTY_BOX: Box = (np.inf, np.inf, np.inf, -np.inf, -np.inf, -np.inf)
 def tight_box(means: np.ndarray) -> Box:  # means [N, 3]
     if len(means) == 0:
         return EMPTY_BOX
-    lo = means.min(axis=0)
-    hi = means.max(axis=0)
-    return tuple(float(v) for v in (*lo, *hi))  # type: ignore[return-value]
+    return tuple(float(v) for v in tight_boxes(means, _ONE_BLOCK)[0])  # type: ignore[return-value]
 
 
 # A box reaches as far as a splat can (`octree.semantics.RADIUS_SIGMAS`), so culling by boxes is exact.
@@ -33,8 +32,34 @@ def extent_box(means: np.ndarray, log_scales: np.ndarray, sigma: float = EXTENT_
     """
     if len(means) == 0:
         return EMPTY_BOX
+    return tuple(float(v) for v in extent_boxes(means, log_scales, _ONE_BLOCK, sigma)[0])  # type: ignore[return-value]
+
+
+# ---- many blocks at once: means and scales grouped by block, `starts` the first row of each ----
+
+_ONE_BLOCK = np.zeros(1, dtype=np.int64)
+
+
+def _reduce(lo: np.ndarray, hi: np.ndarray, starts: np.ndarray) -> np.ndarray:  # [N, 3], [N, 3], [B] -> [B, 6]
+    return np.concatenate([np.minimum.reduceat(lo, starts, axis=0), np.maximum.reduceat(hi, starts, axis=0)], axis=1)
+
+
+def tight_boxes(means: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """means [N, 3] grouped by block, starts [B] of the (non-empty) groups -> boxes of the means [B, 6]."""
+    return _reduce(means, means, starts).astype(np.float64)
+
+
+def extent_boxes(
+    means: np.ndarray, log_scales: np.ndarray, starts: np.ndarray, sigma: float = EXTENT_SIGMA
+) -> np.ndarray:
+    """means [N, 3], log_scales [N, 3] grouped by block -> boxes of every sigma-ellipsoid [B, 6]."""
     with np.errstate(over="ignore"):
-        r = sigma * np.exp(log_scales.max(axis=1, keepdims=True).astype(np.float64))  # [N, 1]
-    lo = np.maximum((means - r).min(axis=0), -BOX_LIMIT)
-    hi = np.minimum((means + r).max(axis=0), BOX_LIMIT)
-    return tuple(float(v) for v in (*lo, *hi))  # type: ignore[return-value]
+        r = sigma * np.exp(largest_axis(log_scales).astype(np.float64))[:, None]  # [N, 1]
+    return np.clip(_reduce(means - r, means + r, starts), -BOX_LIMIT, BOX_LIMIT)
+
+
+def largest_axis(log_scales: np.ndarray) -> np.ndarray:  # [N, 3] -> [N]
+    """The largest of each row's three values (`max(axis=1)` over three columns walks them a row at
+    a time, some twenty times slower)."""
+    return np.maximum(np.maximum(log_scales[:, 0], log_scales[:, 1]), log_scales[:, 2])
+

@@ -254,3 +254,32 @@ def test_dense_adam_leaves_rows_without_moments_as_they_are():
     assert block["adam_step"].tolist() == [4000] * 3
     with pytest.raises(ValueError, match="past the run"):
         lazy.catch_up(block, 5001)
+
+
+@pytest.mark.parametrize("parallel_rows", [10**9, 0])
+def test_adam_skips_untrained_sh_coefficients_without_changing_a_bit(parallel_rows):
+    """With `grad_columns`, shN's columns past the SH degree in use (whose gradient is zero) are
+    not read where their moments are zero: every parameter and moment comes out as the full
+    update computes it (moments left nonzero by an earlier run still decay)."""
+    cfg, n = AdamConfig(), 300
+    lrs = learning_rates(cfg, 0, 100, scene_scale=2.0)
+    g = torch.Generator().manual_seed(5)
+    start = _block(n, seed=4)
+    start["exp_avg_shN"][: n // 2] = torch.rand(start["exp_avg_shN"][: n // 2].shape, generator=g)
+    start["exp_avg_sq_shN"][: n // 2] = torch.rand(start["exp_avg_sq_shN"][: n // 2].shape, generator=g)
+    mask = torch.rand(n, generator=g) < 0.7
+    live = 3  # degree 1: three coefficients of shN's [N, 3, 3] at SH degree 1, the first one live
+    results = []
+    for columns in (None, {"shN": live}):
+        block = {k: t.clone() for k, t in start.items()}
+        for step in range(1, 4):
+            grads = {k: torch.randn(block[k].shape, generator=g.manual_seed(step)) for k in PARAM_NAMES}
+            grads["shN"].reshape(n, -1)[:, live:] = 0.0
+            SparseAdam(grads, mask, lrs, cfg, global_step=step, parallel_rows=parallel_rows,
+                       grad_columns=columns).step(block, 0, numpy_arrays(block))
+        results.append(block)
+    full, skipped = results
+    for k in full:
+        assert torch.equal(full[k], skipped[k]), k
+    moved = full["shN"].reshape(n, -1)[:, live:] != start["shN"].reshape(n, -1)[:, live:]
+    assert moved[: n // 2][mask[: n // 2]].all() and not moved[n // 2 :].any()

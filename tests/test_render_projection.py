@@ -160,6 +160,20 @@ def test_bad_splats_are_named(garden, change, message):
         project(bad, cameras[0], 3)
 
 
+def test_nan_in_sh_coefficients_counts_only_where_the_degree_reads_them(garden):
+    splats, cameras = garden
+    small = {k: v[:10].clone() for k, v in splats.items()}
+    small["shN"][5, 3, 1] = float("nan")  # the first coefficient of degree 2
+    clean = {**small, "shN": small["shN"].nan_to_num(0.0)}
+    for degree in (0, 1):  # NaN unread: the same projection as without it
+        got, ref = project(small, cameras[0], degree), project(clean, cameras[0], degree)
+        assert 5 in got.ids.tolist()
+        torch.testing.assert_close(got.colors, ref.colors, rtol=0, atol=0)
+    for degree in (2, 3):
+        with pytest.raises(RenderError, match=r"splats\['shN'\]: contains NaN or inf"):
+            project(small, cameras[0], degree)
+
+
 def test_bad_sh_degree_and_backend(garden):
     splats, cameras = garden
     small = {k: v[:10] for k, v in splats.items()}

@@ -70,20 +70,32 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
 # an element; with reciprocals and fused multiply-adds allowed it costs ~4.
 @numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
-def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps):
+def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols):
     """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
-    rows at lo..lo+N; rows [R] the block rows to update, bc1 [R] float64 and inv_bc2_sqrt [R]
-    float32 their bias corrections (`_bias_corrections`)."""
+    rows at lo..lo+N, zero past its first `cols` columns (shN's coefficients above the SH degree
+    in use); rows [R] the block rows to update, bc1 [R] float64 and inv_bc2_sqrt [R] float32 their
+    bias corrections (`_bias_corrections`)."""
     b1f, b2f, c1, c2 = np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2)
     epsf = np.float32(eps)
     for i in range(rows.shape[0]):
         r = rows[i]
         step_size = np.float32(lr / bc1[i])
         inv = inv_bc2_sqrt[i]
-        for j in range(p.shape[1]):
+        for j in range(cols):
             gj = g[lo + r, j]
             mj = b1f * m[r, j] + c1 * gj
             vj = b2f * v[r, j] + c2 * gj * gj
+            m[r, j] = mj
+            v[r, j] = vj
+            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv + epsf)
+        # A zero gradient on zero moments leaves all three as they are (SH coefficients not yet
+        # trained, the most of a row in the first thousands of steps): neither they nor the
+        # gradient are read or written; moments left from an earlier run still decay.
+        for j in range(cols, p.shape[1]):
+            if m[r, j] == 0 and v[r, j] == 0:
+                continue
+            mj = b1f * m[r, j]
+            vj = b2f * v[r, j]
             m[r, j] = mj
             v[r, j] = vj
             p[r, j] -= step_size * mj / (np.sqrt(vj) * inv + epsf)
@@ -109,18 +121,19 @@ _CHUNKS = 16  # pieces of the rows handed to the threads (rows differ in nothing
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _adam_rows_parallel(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps):
+def _adam_rows_parallel(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols):
     """`_adam_rows_cpu` on pieces of `rows` at once: each row still takes the very same compiled
     arithmetic, so its result does not depend on which thread ran it or on how many there are."""
     r = rows.shape[0]
     for c in prange(_CHUNKS):
         a, b = r * c // _CHUNKS, r * (c + 1) // _CHUNKS
-        _adam_rows_cpu(p, g, m, v, rows[a:b], bc1[a:b], inv_bc2_sqrt[a:b], lo, lr, b1, b2, eps)
+        _adam_rows_cpu(p, g, m, v, rows[a:b], bc1[a:b], inv_bc2_sqrt[a:b], lo, lr, b1, b2, eps, cols)
 
 
 @numba.njit(cache=True, nogil=True)
-def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, global_step, parallel_rows):  # -> rows stepped
+def _adam_block_cpu(ps, gs, ms, vs, lrs, cols, adam_step, lo, mask, b1, b2, eps, global_step, parallel_rows):  # -> rows stepped
     """ps, ms, vs: tuples of a block's [N, D_k] float32 arrays; gs: the batch's [M, D_k]; lrs [K];
+    cols [K] the gradients' leading columns that may be nonzero (`_adam_rows_cpu`);
     adam_step [N] int32, advanced on the rows whose mask[lo + row] is set; bias correction by
     each row's count, or by global_step where it is positive; split over the cores from
     parallel_rows rows."""
@@ -135,9 +148,9 @@ def _adam_block_cpu(ps, gs, ms, vs, lrs, adam_step, lo, mask, b1, b2, eps, globa
     bc1, inv = _bias_corrections(step[:k], b1, b2)
     for j in range(len(ps)):
         if k >= parallel_rows:
-            _adam_rows_parallel(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps)
+            _adam_rows_parallel(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j])
         else:
-            _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps)
+            _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j])
     return k
 
 
@@ -282,6 +295,7 @@ class SparseAdam:
         cfg: AdamConfig,
         global_step: int = 0,  # > 0: bias correction by this step (torch's, gsplat's SelectiveAdam), not each row's count
         parallel_rows: int = PARALLEL_ROWS,  # rows of a block from which its step is split over the cores
+        grad_columns: dict[str, int] | None = None,  # leading columns of each gradient (as [M, -1]) that may be nonzero (default: all)
     ) -> None:
         self.grads, self.mask, self.lrs, self.cfg = grads, mask, lrs, cfg
         self.global_step, self.parallel_rows = global_step, parallel_rows
@@ -290,7 +304,8 @@ class SparseAdam:
             # (explicit widths: a rank that sees nothing this step has an empty batch)
             g = tuple(grads[x].reshape(len(mask), math.prod(grads[x].shape[1:])).contiguous().numpy()
                       for x in PARAM_NAMES)
-            self._compiled = g, mask.numpy(), np.array([lrs[x] for x in PARAM_NAMES])
+            cols = np.array([(grad_columns or {}).get(x, a.shape[1]) for x, a in zip(PARAM_NAMES, g)], dtype=np.int64)
+            self._compiled = g, mask.numpy(), np.array([lrs[x] for x in PARAM_NAMES]), np.minimum(cols, [a.shape[1] for a in g])
 
     @torch.no_grad()
     def step(
@@ -304,9 +319,9 @@ class SparseAdam:
         if arrays is not None and self._compiled is not None:
             # One call for the six parameters: per-call overhead (tensor conversions, indexing
             # the step counts) cost more than the arithmetic of a small block.
-            g, m, lr = self._compiled
+            g, m, lr, cols = self._compiled
             p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
-            return int(_adam_block_cpu(p, g, ms, vs, lr, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps,
+            return int(_adam_block_cpu(p, g, ms, vs, lr, cols, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps,
                                        self.global_step, self.parallel_rows))
         rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
         if rows.numel() == 0:

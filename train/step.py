@@ -15,6 +15,7 @@ blocks do not fit the cache at once (`train.waves.plan_waves`) pages them in wav
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from octree.boxes import extent_boxes
+from octree.bounds import extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
@@ -33,6 +34,7 @@ from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_array
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
+from train.render.semantics import num_sh_bases
 from train.stats import accumulate_stats, empty_stats
 from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, raster_bytes, step_bytes, wave_bytes
 
@@ -184,6 +186,12 @@ class Projected:
     gathered: Gathered
     projection: ProjectedBatch
     owned: dict[int, Splats2D]  # camera index -> this rank's splats for it (ids: batch rows)
+    sh_degree: int  # the SH degree projected: shN's coefficients past it have a zero gradient
+
+    def grad_columns(self) -> dict[str, int]:
+        """Leading columns of each parameter's gradient (as [N, -1]) that may be nonzero."""
+        return {name: (num_sh_bases(self.sh_degree) - 1) * 3 if name == "shN" else math.prod(p.shape[1:])
+                for name, p in self.gathered.params.items()}
 
 
 @dataclass
@@ -239,7 +247,7 @@ def page_in(cameras: list[Camera], region: Region, cache, visible: list[list[str
 def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, backend: str) -> Projected:
     g = gather(paged.tensors, paged.keys, requires_grad=True)
     projection = project_owned(g, paged.visible, cameras, sh_degree, backend)
-    return Projected(g, projection, projection.splats)
+    return Projected(g, projection, projection.splats, sh_degree)
 
 
 def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int) -> Routed:
@@ -330,9 +338,13 @@ def catch_up(paged: Paged, cache, adam_step: AdamStep) -> None:
 
 
 def stepped_grads_finite(projected: Projected, bp: Backprop) -> bool:
-    for p in projected.gathered.params.values():
+    columns = projected.grad_columns()
+    for name, p in projected.gathered.params.items():
+        if p.grad is None or columns[name] == 0:
+            continue
         # Only stepped rows matter; the masked check runs only when something is not finite.
-        if p.grad is not None and not all_finite(p.grad) and not all_finite(p.grad[bp.contributed]):
+        g = p.grad.reshape(len(p.grad), math.prod(p.grad.shape[1:]))[:, :columns[name]]
+        if not all_finite(g) and not all_finite(g[bp.contributed]):
             return False
     return True
 
@@ -361,7 +373,7 @@ def adam_update(
     for i in sorted(bp.back):
         accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i].statistic, cameras[i], n_cams)
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
-    optimizer = SparseAdam(grads, bp.contributed, lrs, adam, global_step)
+    optimizer = SparseAdam(grads, bp.contributed, lrs, adam, global_step, grad_columns=projected.grad_columns())
     changed = []
     for b, k in enumerate(paged.keys):
         lo, hi = g.offsets[b], g.offsets[b + 1]

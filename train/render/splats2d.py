@@ -48,6 +48,8 @@ class Splats2D:
     def cat(parts: list["Splats2D"]) -> "Splats2D":
         if not parts:
             raise RenderError("Splats2D.cat needs at least one part (use Splats2D.empty for none)")
+        if len(parts) == 1:  # one rank's own splats, the usual case: no copy
+            return parts[0]
         return Splats2D(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Splats2D)})
 
     @staticmethod

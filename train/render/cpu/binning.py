@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -80,37 +81,97 @@ _TIE_FIELDS_LAST_FIRST = _TIE_FIELDS[::-1]
 
 
 @njit(cache=True, nogil=True)
+def _tie_before(records, a, b):  # whether row a sorts strictly before row b by `_TIE_FIELDS`
+    for f in _TIE_FIELDS:
+        if records[a, f] != records[b, f]:
+            return records[a, f] < records[b, f]
+    return False
+
+
+_SHORT_RUN = 16  # runs of equal depth up to this long are sorted in place by insertion
+
+
+@njit(cache=True, nogil=True)
+def _insertion_sort_ties(records, order, start, end):
+    """Stable insertion sort of order[start:end] by `_TIE_FIELDS`: the same order as `_sort_ties`
+    for the short runs float32 depths collide in (mostly pairs), without its nine sorts' arrays."""
+    for i in range(start + 1, end):
+        row = order[i]
+        j = i
+        while j > start and _tie_before(records, row, order[j - 1]):
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = row
+
+
+@njit(cache=True, nogil=True)
 def _sort_ties(records, run):  # [L] int32 rows of equal depth -> sorted by _TIE_FIELDS
     for f in _TIE_FIELDS_LAST_FIRST:  # least significant first, each sort stable
         run = run[np.argsort(records[run, f], kind="mergesort")]
     return run
 
 
+_DIGIT_BITS = 8
+_DIGITS = 1 << _DIGIT_BITS
+
+
 @njit(cache=True, nogil=True)
-def _argsort_depth(records):  # [M, RECORD] -> [M] int32: by depth, then by `_TIE_FIELDS`
+def _chunk(i, chunks, m):  # -> [start, end) of chunk i of range(m) in `chunks` near-equal parts
+    return i * m // chunks, (i + 1) * m // chunks
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _radix_pass(keys, order, shift, chunks, out_keys, out_order):  # -> False if every key had one digit
+    """One stable counting pass on the digit at `shift`: every chunk counts its digits, then
+    scatters them from where all earlier digits, and this digit in earlier chunks, end. The
+    permutation is the serial pass's whatever the number of chunks."""
+    m = keys.size
+    counts = np.zeros((chunks, _DIGITS), np.int64)
+    for c in prange(chunks):
+        a, b = _chunk(c, chunks, m)
+        for i in range(a, b):
+            counts[c, (keys[i] >> np.uint32(shift)) & np.uint32(_DIGITS - 1)] += 1
+    totals = counts.sum(axis=0)
+    if totals.max() == m:
+        return False
+    cursor = np.empty((chunks, _DIGITS), np.int64)
+    at = 0
+    for d in range(_DIGITS):
+        for c in range(chunks):
+            cursor[c, d] = at
+            at += counts[c, d]
+    for c in prange(chunks):
+        a, b = _chunk(c, chunks, m)
+        for i in range(a, b):
+            d = (keys[i] >> np.uint32(shift)) & np.uint32(_DIGITS - 1)
+            out_keys[cursor[c, d]] = keys[i]
+            out_order[cursor[c, d]] = order[i]
+            cursor[c, d] += 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _argsort_depth(records, chunks):  # [M, RECORD] -> [M] int32: by depth, then by `_TIE_FIELDS`
     """LSD radix sort on the depth's float bits, 4 passes of 8 bits (numpy's stable float sort is
-    a merge sort, ~10x slower here); then each run of equal depth is sorted by `_TIE_FIELDS`."""
+    a merge sort, ~10x slower here), each split over `chunks` threads, and skipped where all keys
+    share the digit (the exponent's, mostly); then each run of equal depth is sorted by
+    `_TIE_FIELDS`."""
     m = records.shape[0]
     bits = np.ascontiguousarray(records[:, DEPTH]).view(np.uint32)
     # Flip so unsigned order is float order: all bits of negatives, the sign bit of the rest.
     keys = np.where(bits >> np.uint32(31) == np.uint32(1), ~bits, bits | np.uint32(0x80000000))
     order = np.arange(m).astype(np.int32)
-    scratch = np.empty(m, np.int32)
-    for shift in range(0, 32, 8):
-        counts = np.zeros(257, np.int64)
-        for i in range(m):
-            counts[((keys[order[i]] >> np.uint32(shift)) & np.uint32(255)) + 1] += 1
-        for b in range(256):
-            counts[b + 1] += counts[b]
-        for i in range(m):
-            d = (keys[order[i]] >> np.uint32(shift)) & np.uint32(255)
-            scratch[counts[d]] = order[i]
-            counts[d] += 1
-        order, scratch = scratch, order
+    keys2, order2 = np.empty_like(keys), np.empty_like(order)
+    for shift in range(0, 32, _DIGIT_BITS):
+        if _radix_pass(keys, order, shift, chunks, keys2, order2):
+            keys, keys2 = keys2, keys
+            order, order2 = order2, order
     start = 0
     for i in range(1, m + 1):
-        if i == m or keys[order[i]] != keys[order[start]]:
-            if i - start > 1:
+        if i == m or keys[i] != keys[start]:
+            if 1 < i - start <= _SHORT_RUN:
+                _insertion_sort_ties(records, order, start, i)
+            elif i - start > _SHORT_RUN:
                 order[start:i] = _sort_ties(records, order[start:i].copy())
             start = i
     return order
@@ -137,31 +198,46 @@ def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
                 j += 1
 
 
-@njit(cache=True, nogil=True)
-def _sort_by_tile(candidates, starts, n_tiles):
+@njit(parallel=True, cache=True, nogil=True)
+def _sort_by_tile(candidates, starts, n_tiles, chunks):
     """Stable counting sort of the hits by tile; record i's candidates are candidates[starts[i]:
     starts[i + 1]] and records are in depth order, so each list comes out front to back. Also
     returns where each record's hits landed (hit_starts, hit_slots), which is how the backward
-    pass sums a splat's gradient rows."""
-    counts = np.zeros(n_tiles + 1, np.int64)
-    for t in candidates:
-        if t >= 0:
-            counts[t + 1] += 1
-    offsets = np.cumsum(counts)
-    cursor = offsets[:-1].copy()
+    pass sums a splat's gradient rows. Records are split into `chunks` runs counted and scattered
+    in parallel, each from where the runs before it end in every tile: the same lists as one pass."""
+    m = starts.size - 1
+    counts = np.zeros((chunks, n_tiles), np.int64)
+    hits = np.zeros(m + 1, np.int64)
+    for c in prange(chunks):
+        a, b = _chunk(c, chunks, m)
+        for i in range(a, b):
+            for j in range(starts[i], starts[i + 1]):
+                t = candidates[j]
+                if t >= 0:
+                    counts[c, t] += 1
+                    hits[i + 1] += 1
+    hit_starts = np.cumsum(hits)
+    offsets = np.zeros(n_tiles + 1, np.int64)
+    cursor = np.empty((chunks, n_tiles), np.int64)
+    for t in range(n_tiles):
+        at = offsets[t]
+        for c in range(chunks):
+            cursor[c, t] = at
+            at += counts[c, t]
+        offsets[t + 1] = at
     gids = np.empty(offsets[-1], np.int32)
     hit_slots = np.empty(offsets[-1], np.int64)
-    hit_starts = np.zeros(starts.size, np.int64)
-    n = 0
-    for i in range(starts.size - 1):
-        for j in range(starts[i], starts[i + 1]):
-            t = candidates[j]
-            if t >= 0:
-                gids[cursor[t]] = i
-                hit_slots[n] = cursor[t]
-                cursor[t] += 1
-                n += 1
-        hit_starts[i + 1] = n
+    for c in prange(chunks):
+        a, b = _chunk(c, chunks, m)
+        for i in range(a, b):
+            n = hit_starts[i]
+            for j in range(starts[i], starts[i + 1]):
+                t = candidates[j]
+                if t >= 0:
+                    gids[cursor[c, t]] = i
+                    hit_slots[n] = cursor[c, t]
+                    cursor[c, t] += 1
+                    n += 1
     return offsets, gids, hit_starts, hit_slots
 
 
@@ -169,11 +245,12 @@ def bin_tiles(records: np.ndarray, radii: np.ndarray, width: int, height: int) -
     """records [M, 16] from `splat_records`, radii [M, 2] int32."""
     tiles_x = -(-width // TILE_SIZE)
     tiles_y = -(-height // TILE_SIZE)
-    order = _argsort_depth(records)
+    chunks = numba.get_num_threads()
+    order = _argsort_depth(records, chunks)
     records, boxes, sizes = _candidate_boxes(records, radii, order, tiles_x, tiles_y)
     starts = np.zeros(len(records) + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
     candidates = np.empty(starts[-1], np.int32)
     _test_boxes(records, boxes, starts, width, height, tiles_x, candidates)
-    offsets, gids, hit_starts, hit_slots = _sort_by_tile(candidates, starts, tiles_x * tiles_y)
+    offsets, gids, hit_starts, hit_slots = _sort_by_tile(candidates, starts, tiles_x * tiles_y, chunks)
     return Bins(offsets, gids, tiles_x, tiles_y, order, records, hit_starts, hit_slots)

@@ -332,7 +332,9 @@ class CpuProjectedBatch:
 
     def backward(self, grads: dict[int, Tensor]) -> None:  # camera -> [M, 9] in pack_grads layout
         """Adds the parameters' gradients to their `.grad`."""
-        sums = [np.zeros_like(a) for a in self._arrays]
+        # Fresh zero pages: the coefficients above the SH degree in use are never written, and
+        # Adam (`grad_columns`) never reads them, so their pages are never touched.
+        sums = [np.zeros(a.shape, a.dtype) for a in self._arrays]
         for i in sorted(grads):
             cam, ids = self._state[i]
             v = _array(grads[i].to(torch.float32))
