@@ -5,7 +5,8 @@ gsplat's EWA formulas and culling (`fully_fused_projection` with opacities): cam
 R (Rq S)(Rq S)^T R^T, the perspective Jacobian at the mean with x/z and y/z clamped to 1.3 half
 fields of view, eps2d on the 2D covariance, opacity-aware radii, and rows dropped when outside the
 near/far planes, degenerate, unable to reach alpha 1/255 anywhere, or with a radius box off the
-image. Colour: SH of the direction from the camera centre + 0.5, clamped at 0. Math in float64.
+image. Colour: SH of the direction from the camera centre + 0.5, clamped at 0. Math in float64,
+fused and reassociated but never assuming finite values (`compiled.FINITE_FASTMATH`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from train.camera import Camera
+from train.render.cpu.compiled import FINITE_FASTMATH
 from train.render.cpu.mat3 import matmul, matvec, quat_to_rotmat, rotmat_vjp, transpose
 from train.render.cpu.sh import sh_basis, sh_basis_grads
 from train.render.semantics import ALPHA_MIN, EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS, num_sh_bases
@@ -38,7 +40,7 @@ def camera_params(camera: Camera) -> np.ndarray:  # [23] float64
     return np.concatenate([vm[:3, :3].ravel(), vm[:3, 3], [fx, fy, cx, cy], lims, camera.center])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _splat_frame(means, quats, scales, cam, g):
     """Camera-space mean, unit quaternion (and the raw norm), rotation, scales, camera covariance."""
     R = (cam[0], cam[1], cam[2], cam[3], cam[4], cam[5], cam[6], cam[7], cam[8])
@@ -57,7 +59,7 @@ def _splat_frame(means, quats, scales, cam, g):
     return R, pc, q, qn, rq, s, rs, cov_c
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _jacobian(pc, cam):
     """Nonzero entries j00, j02, j11, j12 of J = [[fx/z, 0, -fx rx/z], [0, fy/z, -fy ry/z]] with
     rx, ry the clamped x/z, y/z; and whether x/z, y/z were inside the clamp."""
@@ -69,7 +71,7 @@ def _jacobian(pc, cam):
     return fx / z, -fx * rx / z, fy / z, -fy * ry / z, rx, ry, rx == rx_raw, ry == ry_raw
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-tuple
     c00 = j00 * j00 * S[0] + 2.0 * j00 * j02 * S[2] + j02 * j02 * S[8]
     c01 = j00 * j11 * S[1] + j00 * j12 * S[2] + j02 * j11 * S[5] + j02 * j12 * S[8]
@@ -77,7 +79,7 @@ def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-
     return c00, c01, c11
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _project(means, quats, scales, logits, cam, width, height, rows, means2d, conics, depths, opacities, radii, keep):
     """Projects the Gaussians `rows`; output j belongs to rows[j]."""
     for j in prange(rows.size):
@@ -108,19 +110,19 @@ def _project(means, quats, scales, logits, cam, width, height, rows, means2d, co
         radii[j, 0], radii[j, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _view_dir(means, cam, g):  # unit direction from the camera centre, and the distance
     d = (means[g, 0] - cam[20], means[g, 1] - cam[21], means[g, 2] - cam[22])
     norm = max(math.sqrt(d[0] * d[0] + d[1] * d[1] + d[2] * d[2]), _NORM_EPS)
     return (d[0] / norm, d[1] / norm, d[2] / norm), norm
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _coeff(sh0, shN, g, b, c):
     return float(sh0[g, 0, c]) if b == 0 else float(shN[g, b - 1, c])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _sh_raw(sh0, shN, g, basis, n_bases):  # SH colour before + 0.5 and the clamp
     r, gr, bl = 0.0, 0.0, 0.0
     for b in range(n_bases):
@@ -130,7 +132,7 @@ def _sh_raw(sh0, shN, g, basis, n_bases):  # SH colour before + 0.5 and the clam
     return r, gr, bl
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _colors(means, sh0, shN, ids, cam, n_bases, colors):
     for i in prange(ids.size):
         g = ids[i]
@@ -140,7 +142,7 @@ def _colors(means, sh0, shN, ids, cam, n_bases, colors):
             colors[i, c] = max(raw[c] + 0.5, 0.0)
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases, v,
                  g_means, g_quats, g_scales, g_logits, g_sh0, g_shN):
     """Adds the gradients of the kept rows `ids` (unique) to the full-size g_* arrays. v [M, 9]:
@@ -228,7 +230,7 @@ def _project_vjp(means, quats, scales, logits, sh0, shN, cam, ids, n_bases, v,
         g_means[g, 2] += v_mean[2] + (vn_z - n[2] * ndot) / dist
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath=FINITE_FASTMATH)
 def _compact(keep, rows, means2d, conics, depths, opacities, radii):
     """The kept entries of `_project`'s outputs, in order, and their rows (numpy's boolean
     indexing of the seven arrays ran on one core and cost a third of the projection)."""

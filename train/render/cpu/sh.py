@@ -8,6 +8,8 @@ import math
 
 from numba import njit
 
+from train.render.cpu.compiled import FINITE_FASTMATH
+
 # sqrt((2l+1)/(4 pi) * (l-|m|)!/(l+|m|)!) per (l, |m|), with the 3DGS sign convention below.
 _C0 = 0.5 / math.sqrt(math.pi)
 _C1 = math.sqrt(3.0 / (4.0 * math.pi))
@@ -20,7 +22,7 @@ _C3_1 = 0.25 * math.sqrt(21.0 / (2.0 * math.pi))
 _C3_0 = 0.25 * math.sqrt(7.0 / math.pi)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FINITE_FASTMATH)
 def sh_basis(x, y, z):  # unit direction -> 16-tuple
     xx, yy, zz = x * x, y * y, z * z
     return (_C0,
@@ -31,7 +33,7 @@ def sh_basis(x, y, z):  # unit direction -> 16-tuple
             0.5 * _C3_2 * z * (xx - yy), -_C3_3 * x * (xx - 3.0 * yy))
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FINITE_FASTMATH)
 def sh_basis_grads(x, y, z):  # -> three 16-tuples: d basis / dx, dy, dz (x, y, z as free variables)
     xx, yy, zz = x * x, y * y, z * z
     c3e = 0.5 * _C3_2
