@@ -12,7 +12,9 @@ from train.camera import Camera
 from train.render import RenderError, Splats2D, rasterize
 from train.render.cpu.binning import bin_tiles
 from train.render.cpu import kernels
-from train.render.cpu.ellipse import CA, CB, CC, DEGENERATE, HALF_X, HALF_Y, MX, MY, splat_records, tile_box
+from train.render.cpu.ellipse import (
+    CA, CB, CC, DEGENERATE, DEPTH, HALF_X, HALF_Y, LEVEL, MX, MY, splat_records, tile_box,
+)
 from train.render.reference import rasterize_dense
 from train.render.semantics import ALPHA_MIN, RADIUS_SIGMAS
 from train.render.visibility import tile_visibility
@@ -121,6 +123,45 @@ def stepped_fraction(splats: Splats2D, width: int, height: int) -> float:
                 total += 1
                 stepped += kernels._steps_safely(r[HALF_Y] < DEGENERATE, r[CA], r[CB], r[CC], mx, my, half, ya, yb)
     return stepped / total
+
+
+def exact_tiles(bins, width: int, height: int) -> tuple[set, dict]:
+    """Brute force in float64: the (record, tile) pairs of gsplat's radius box whose pixel centres
+    the support ellipse (sigma <= LEVEL) reaches, and each candidate's least sigma over its centres."""
+    reached, least = set(), {}
+    for i, r in enumerate(bins.records.astype(np.float64)):
+        t = bins.tiles_x
+        for tile in range(len(bins.offsets) - 1):
+            x0, y0 = tile % t * 16, tile // t * 16
+            xs = np.arange(x0, min(x0 + 16, width)) + 0.5
+            ys = np.arange(y0, min(y0 + 16, height)) + 0.5
+            dx, dy = r[MX] - xs[None, :], r[MY] - ys[:, None]
+            sigma = 0.5 * (r[CA] * dx * dx + r[CC] * dy * dy) + r[CB] * dx * dy
+            least[i, tile] = sigma.min() if r[HALF_Y] < DEGENERATE else -np.inf
+            if least[i, tile] <= r[LEVEL]:
+                reached.add((i, tile))
+    return reached, least
+
+
+@pytest.mark.parametrize("shape", ["round", "needles", "large"])
+def test_tile_lists_hold_every_tile_the_ellipse_reaches(shape):
+    """Binning keeps a candidate tile where the support ellipse reaches one of its pixel centres
+    (brute force over every centre), drops the rest but for near misses within its widening, and
+    orders each list front to back."""
+    width, height = 70, 53
+    base = random_splats(80, width, height, seed=5, spread=1.4)
+    splats = {"round": shaped(base, 6.0, 5.0, seed=3), "needles": shaped(base, 30.0, 0.4, seed=4),
+              "large": shaped(base, 25.0, 9.0, seed=6)}[shape]
+    arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
+    bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), width, height)
+    listed = {(int(g), tile) for tile in range(len(bins.offsets) - 1)
+              for g in bins.gids[bins.offsets[tile]:bins.offsets[tile + 1]]}
+    reached, least = exact_tiles(bins, width, height)
+    assert reached and reached <= listed, f"tiles reached but not listed: {sorted(reached - listed)[:5]}"
+    near = [least[pair] - bins.records[pair[0], LEVEL] for pair in listed - reached]
+    assert len(near) <= 0.02 * len(listed) and all(d < 0.5 for d in near), near
+    for tile in range(len(bins.offsets) - 1):
+        assert np.all(np.diff(bins.records[bins.gids[bins.offsets[tile]:bins.offsets[tile + 1]], DEPTH]) >= 0)
 
 
 def test_stepped_and_evaluated_exponentials_match_the_reference():

@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from train.render.cpu.ellipse import (
-    BLUE, CA, CB, CC, DEGENERATE, DEPTH, GREEN, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, OPACITY, RED, hits_rect,
+    BLUE, CA, CB, CC, DEGENERATE, DEPTH, GREEN, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, OPACITY, RED, band_span,
 )
 from train.render.semantics import TILE_SIZE
 
@@ -180,20 +180,25 @@ def _argsort_depth(records, chunks):  # [M, RECORD] -> [M] int32: by depth, then
 @njit(parallel=True, cache=True, nogil=True)
 def _test_boxes(records, boxes, starts, width, height, tiles_x, tiles):
     """Write each candidate tile's id, or -1 where the support ellipse misses every pixel centre of
-    the tile, into record g's slots from starts[g] (memory is written as one stream)."""
+    the tile, into record g's slots from starts[g] (memory is written as one stream). Per row of
+    tiles: the span of the ellipse within the row's pixel centres, then which tiles' centres it
+    overlaps."""
     for g in prange(records.shape[0]):
-        rec = records[g]
-        mx, my, level = rec[MX], rec[MY], rec[LEVEL]
-        a, b, c, inv_a, inv_c = rec[CA], rec[CB], rec[CC], rec[INV_A], rec[INV_C]
-        bounded = rec[HALF_Y] < DEGENERATE
+        mx, my, level = float(records[g, MX]), float(records[g, MY]), float(records[g, LEVEL])
+        a, b, c = float(records[g, CA]), float(records[g, CB]), float(records[g, CC])
+        inv_a, inv_c = float(records[g, INV_A]), float(records[g, INV_C])
+        bounded = records[g, HALF_Y] < DEGENERATE
         j = starts[g]
         for ty in range(boxes[g, 2], boxes[g, 3]):
             y0 = ty * TILE_SIZE
-            py0, py1 = np.float32(y0 + 0.5), np.float32(min(y0 + TILE_SIZE, height) - 0.5)
+            if bounded:
+                x_lo, x_hi = band_span(mx, my, a, b, c, inv_a, inv_c, level, y0 + 0.5,
+                                       min(y0 + TILE_SIZE, height) - 0.5)
+            else:
+                x_lo, x_hi = -np.inf, np.inf
             for tx in range(boxes[g, 0], boxes[g, 1]):
                 x0 = tx * TILE_SIZE
-                hit = not bounded or hits_rect(mx, my, a, b, c, inv_a, inv_c, level, np.float32(x0 + 0.5),
-                                               np.float32(min(x0 + TILE_SIZE, width) - 0.5), py0, py1)
+                hit = x0 + 0.5 <= x_hi and min(x0 + TILE_SIZE, width) - 0.5 >= x_lo
                 tiles[j] = ty * tiles_x + tx if hit else -1
                 j += 1
 

@@ -56,25 +56,29 @@ def splat_records(means2d, conics, opacities, colors, depths):  # [M,2],[M,3],[M
     return rec
 
 
-@njit(inline="always")
-def _edge_min(a, b, c, inv_a, v, lo, hi):
-    """min over u in [lo, hi] of 0.5 a u^2 + b u v + 0.5 c v^2 (a > 0)."""
-    u = min(max(-b * v * inv_a, lo), hi)
-    return 0.5 * (a * u * u + c * v * v) + b * u * v
+_SPAN_WIDEN_ABS, _SPAN_WIDEN_REL = 1e-2, 1e-4  # pixels added to a band's span, absolute and per pixel of extent
 
 
 @njit(inline="always")
-def hits_rect(mx, my, a, b, c, inv_a, inv_c, level, px0, px1, py0, py1):
-    """Whether the ellipse 0.5 a dx^2 + b dx dy + 0.5 c dy^2 <= level around (mx, my), a and c > 0,
-    reaches a pixel centre in [px0, px1] x [py0, py1]."""
-    dx0, dx1 = mx - px1, mx - px0  # d = mean - pixel, as in the alpha formula
-    dy0, dy1 = my - py1, my - py0
-    if dx0 <= 0.0 <= dx1 and dy0 <= 0.0 <= dy1:
-        return True
-    # A convex quadratic's minimum over a rectangle not holding its centre lies on an edge.
-    q = min(min(_edge_min(a, b, c, inv_a, dy0, dx0, dx1), _edge_min(a, b, c, inv_a, dy1, dx0, dx1)),
-            min(_edge_min(c, b, a, inv_c, dx0, dy0, dy1), _edge_min(c, b, a, inv_c, dx1, dy0, dy1)))
-    return q <= level
+def band_span(mx, my, a, b, c, inv_a, inv_c, level, py0, py1):  # -> x0, x1 (x0 > x1: the band misses)
+    """The x extent of the ellipse 0.5 a dx^2 + b dx dy + 0.5 c dy^2 <= level about (mx, my)
+    (d = mean - pixel, a, c and the determinant > 0) within the band py0 <= y <= py1, widened
+    a little so that rounding never drops a pixel centre the ellipse reaches.
+
+    For each dy the ellipse spans dx in (-b dy -+ sqrt(2 a level - det dy^2)) / a: the upper end is
+    concave in dy, largest at the ellipse's extreme point dy = -b hx / c (hx its half width), and
+    otherwise at the band's end nearest to it; the lower end mirrors it."""
+    det = float(a) * float(c) - float(b) * float(b)
+    hx, hy = math.sqrt(2.0 * level * c / det), math.sqrt(2.0 * level * a / det)
+    widen = _SPAN_WIDEN_ABS + _SPAN_WIDEN_REL * (hx + hy)
+    lo, hi = max(my - py1, -hy - widen), min(my - py0, hy + widen)
+    if lo > hi:
+        return 1.0, 0.0
+    tip = -b * hx * inv_c
+    top, bottom = min(max(tip, lo), hi), min(max(-tip, lo), hi)
+    dx_max = (-b * top + math.sqrt(max(2.0 * a * level - det * top * top, 0.0))) * inv_a
+    dx_min = (-b * bottom - math.sqrt(max(2.0 * a * level - det * bottom * bottom, 0.0))) * inv_a
+    return mx - dx_max - widen, mx - dx_min + widen
 
 
 @njit(inline="always", fastmath=True)

@@ -35,10 +35,11 @@ class _Rasterize(torch.autograd.Function):
         sat_depth = np.full((height, width), np.inf, np.float32)
         tile_end = np.empty(bins.tiles_x * bins.tiles_y, np.int32)
         contributed = np.zeros(len(records), np.uint8)
+        blended = np.zeros(bins.n_isects, np.uint8)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x, kernels.LANES,
-                            rgb, t_final, stop, sat_depth, tile_end, contributed)
-        ctx.state = (bins, bg, t_final, stop, tile_end, width, height, absgrad)
+                            rgb, t_final, stop, sat_depth, tile_end, contributed, blended)
+        ctx.state = (bins, bg, t_final, stop, tile_end, blended, width, height, absgrad)
         contributed_t = torch.from_numpy(bins.to_rows(contributed)).to(torch.bool)
         sat_t = torch.from_numpy(sat_depth)
         ctx.mark_non_differentiable(contributed_t, sat_t)
@@ -47,12 +48,12 @@ class _Rasterize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
-        bins, bg, t_final, stop, tile_end, width, height, absgrad = ctx.state
+        bins, bg, t_final, stop, tile_end, blended, width, height, absgrad = ctx.state
         grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
         absgrads = np.zeros((bins.n_isects if absgrad is not None else 0, 2), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.backward(bins.offsets, bins.gids, bins.records, bg, width, height,
-                             bins.tiles_x, kernels.LANES, t_final, stop, tile_end, _array(v_rgb),
+                             bins.tiles_x, kernels.LANES, t_final, stop, tile_end, blended, _array(v_rgb),
                              _array(v_alpha[..., 0]), grads, absgrads, absgrad is not None)
         per_splat = torch.from_numpy(kernels.reduce_grads(grads, bins.hit_starts, bins.hit_slots, bins.order))
         if absgrad is not None:

@@ -199,11 +199,13 @@ def _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac):  # -> acc with pixel p's 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
-            rgb, t_final, stop, sat_depth, tile_end, contributed):
+            rgb, t_final, stop, sat_depth, tile_end, contributed, blended):
     """Composite every tile; writes rgb [H,W,3], t_final [H,W] (transmittance left), stop [H,W]
     (list position of the splat that terminated the pixel, -1 if none), sat_depth [H,W] (only
     where a splat terminated the pixel), tile_end [tiles] (list position of the tile's last
-    contributor, -1 if none) and contributed [M] (uint8). lanes: 8 (see `_first_row`)."""
+    contributor, -1 if none), contributed [M] (uint8) and blended [n_isects] (uint8, zeroed by
+    the caller: 1 where the entry's splat was blended into a pixel of its tile). lanes: 8 (see
+    `_first_row`)."""
     for tile in prange(offsets.size - 1):
         start, n = offsets[tile], offsets[tile + 1] - offsets[tile]
         x0, y0, w, h = _tile_geometry(tile, tiles_x, width, height)
@@ -244,6 +246,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         stopped += e
             if used > _ZERO:
                 contributed[gids[start + k]] = 1
+                blended[start + k] = 1
                 k_end = k
             if stopped > _ZERO:
                 # Rare (once per pixel at most), so kept out of the vector loop: a conditional
@@ -278,9 +281,10 @@ def _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy):  # -> ab with |pixel p's 2D 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
-             t_final, stop, tile_end, v_rgb, v_alpha, grads, absgrads, want_abs):
+             t_final, stop, tile_end, blended, v_rgb, v_alpha, grads, absgrads, want_abs):
     """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
-    (rows of entries past a tile's last contributor are left as they are: zero). Rows are written
+    (rows of entries past a tile's last contributor, or that `forward` blended into no pixel, are
+    left as they are: zero; 11% of the garden's entries before their tile's end). Rows are written
     as the tiles walk their lists, not where their splat's other rows are: scattered writes into
     the grads array cost a quarter of this kernel's time. With want_abs, absgrads [n_isects, 2]
     gets the sums of absolute per-pixel 2D mean gradients (gsplat's `absgrad`) the same way; the
@@ -311,8 +315,8 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                     buf[_STOP + p] = np.float32(stop[y, x])
         local = _gather(records, gids, start, k_end + 1)
         for k in range(k_end, -1, -1):
-            if local[k, HALF_Y] < _ZERO:
-                continue
+            if local[k, HALF_Y] < _ZERO or not blended[start + k]:
+                continue  # an entry blended nowhere (alpha test failed, or its pixels had stopped): all zero
             mx, my, ca, cb, cc, o, cr, cg, cbl, level = _splat(local, k, x0, y0)
             bounded = local[k, HALF_Y] < DEGENERATE
             kf = np.float32(k)
