@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from pytorch_msssim import ssim as msssim
 
-from train.losses import Regularizers, photometric_loss
+from train.losses import Regularizers, composite_photometric_loss, photometric_loss, psnr, training_loss
 from train.render.errors import all_finite
 from train.ssim import fused_ssim_applies, ssim_cpu
 
@@ -108,6 +108,28 @@ def test_photometric_loss_takes_the_fused_path_only_where_it_applies():
     ref = 0.8 * (x - y).abs().mean() + 0.2 * (1 - msssim(x.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None],
                                                           data_range=1.0))
     assert float(fused) == pytest.approx(float(ref), abs=1e-6)
+
+
+@pytest.mark.parametrize("ssim_lambda, cameras", [(0.2, 1), (0.2, 3), (0.5, 7), (0.9, 2)])
+def test_the_fused_training_loss_has_autograds_gradient_bit_for_bit(photo, ssim_lambda, cameras):
+    """`training_loss` (one fused node on the CPU) against autograd through the loss written in
+    torch operations: the same gradient to the last bit, on a real photo against a noisy copy
+    with values past [0, 1] and pixels equal to the target (L1's sign 0), the loss divided by the
+    step's cameras as the trainer does; the loss and the PSNR as their torch expressions give."""
+    g = torch.Generator().manual_seed(cameras)
+    x = photo + 0.15 * torch.randn(photo.shape, generator=g)
+    x[:12] = photo[:12]
+    grads, values = [], []
+    for loss_of in (lambda a: (composite_photometric_loss(a, photo, ssim_lambda), psnr(a, photo)),
+                    lambda a: training_loss(a, photo, ssim_lambda)):
+        leaf = x.clone().requires_grad_(True)
+        loss, p = loss_of(leaf)
+        (loss / cameras).backward()
+        grads.append(leaf.grad)
+        values.append((float(loss), p))
+    assert torch.equal(grads[0], grads[1])
+    assert values[1][0] == pytest.approx(values[0][0], abs=1e-6)
+    assert values[1][1] == pytest.approx(values[0][1], abs=1e-4)
 
 
 def test_all_finite_finds_nan_and_inf_and_tolerates_overflowing_sums():

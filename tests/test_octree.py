@@ -18,7 +18,7 @@ from octree import (
     tight_boxes,
 )
 from octree import morton
-from octree.bounds import extent_box, tight_box
+from octree.bounds import EXTENT_SIGMA, extent_box, tight_box
 from octree.keys import MAX_DEPTH, BlockKey
 from tools.scenes import clustered_points
 
@@ -170,6 +170,11 @@ def test_block_boxes_match_bounds_module_bit_for_bit():
         rows = tree.members(i)
         assert tuple(tight[i]) == tight_box(means[rows])
         assert tuple(ext[i]) == extent_box(means[rows], log_scales[rows])
+        # and as the definition reads, in plain numpy over the block's rows
+        m = means[rows].astype(np.float64)
+        r = EXTENT_SIGMA * np.exp(log_scales[rows].max(axis=1).astype(np.float64))[:, None]
+        assert np.array_equal(ext[i], np.concatenate([(m - r).min(axis=0), (m + r).max(axis=0)]))
+        assert np.array_equal(tight[i], np.concatenate([m.min(axis=0), m.max(axis=0)]))
         cell = tree.cells[i]
         assert (cell[:3] <= tight[i, :3]).all() and (tight[i, 3:] < cell[3:]).all()
 

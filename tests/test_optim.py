@@ -267,6 +267,10 @@ def test_adam_skips_untrained_sh_coefficients_without_changing_a_bit(parallel_ro
     start = _block(n, seed=4)
     start["exp_avg_shN"][: n // 2] = torch.rand(start["exp_avg_shN"][: n // 2].shape, generator=g)
     start["exp_avg_sq_shN"][: n // 2] = torch.rand(start["exp_avg_sq_shN"][: n // 2].shape, generator=g)
+    # One nonzero moment in a row's tail is enough to step it: the first moment in the last
+    # column, or the second alone in a middle one.
+    start["exp_avg_shN"].reshape(n, -1)[n // 2 : n // 2 + 10, -1] = 0.5
+    start["exp_avg_sq_shN"].reshape(n, -1)[n // 2 + 10 : n // 2 + 20, 7] = 0.25
     mask = torch.rand(n, generator=g) < 0.7
     live = 3  # degree 1: three coefficients of shN's [N, 3, 3] at SH degree 1, the first one live
     results = []
@@ -282,4 +286,7 @@ def test_adam_skips_untrained_sh_coefficients_without_changing_a_bit(parallel_ro
     for k in full:
         assert torch.equal(full[k], skipped[k]), k
     moved = full["shN"].reshape(n, -1)[:, live:] != start["shN"].reshape(n, -1)[:, live:]
-    assert moved[: n // 2][mask[: n // 2]].all() and not moved[n // 2 :].any()
+    assert moved[: n // 2][mask[: n // 2]].all() and not moved[n // 2 + 10 :].any()
+    assert moved[n // 2 : n // 2 + 10, -1][mask[n // 2 : n // 2 + 10]].all()
+    decayed = full["exp_avg_sq_shN"].reshape(n, -1)[n // 2 + 10 : n // 2 + 20, 7]
+    assert (decayed[mask[n // 2 + 10 : n // 2 + 20]] < 0.25).all()

@@ -12,6 +12,7 @@ from pytorch_msssim import ssim as _ssim
 from torch import Tensor
 
 from train.ssim import WINDOW as SSIM_WINDOW  # smaller images fall back to L1
+from train.loss_cpu import photometric_cpu
 from train.ssim import fused_ssim_applies, ssim_cpu
 
 SSIM_LAMBDA = 0.2  # the D-SSIM term's weight in 3DGS's loss (gsplat's --ssim-lambda)
@@ -26,6 +27,20 @@ def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scala
 
 def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> Tensor:
     """rendered, target: [H, W, 3] in [0, 1]; returns a scalar."""
+    return training_loss(rendered, target, ssim_lambda)[0]
+
+
+def training_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> tuple[Tensor, float]:
+    """The photometric loss of one training view and its PSNR (dB, of the rendering clamped to
+    [0, 1]); on the CPU one fused pass (`train.loss_cpu`: the same gradient bit for bit)."""
+    if ssim_lambda > 0.0 and fused_ssim_applies(rendered, target):
+        loss, mse = photometric_cpu(rendered, target, ssim_lambda)
+        return loss, psnr_of_mse(mse)
+    return composite_photometric_loss(rendered, target, ssim_lambda), psnr(rendered, target)
+
+
+def composite_photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> Tensor:
+    """The loss in torch operations (any device), with the fused SSIM where it applies."""
     l1 = (rendered - target).abs().mean()
     if min(rendered.shape[0], rendered.shape[1]) < SSIM_WINDOW or ssim_lambda == 0.0:
         return l1
@@ -34,7 +49,10 @@ def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM
 
 
 def psnr(rendered: Tensor, target: Tensor) -> float:
-    mse = torch.mean((rendered.detach().clamp(0, 1) - target) ** 2).item()
+    return psnr_of_mse(torch.mean((rendered.detach().clamp(0, 1) - target) ** 2).item())
+
+
+def psnr_of_mse(mse: float) -> float:
     return float("inf") if mse == 0 else -10.0 * float(torch.log10(torch.tensor(mse)))
 
 

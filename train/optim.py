@@ -67,6 +67,14 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
     return lrs
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _any_nonzero(m, v, r, lo):  # m, v [N, D] float32 -> whether any of m[r, lo:], v[r, lo:] is nonzero
+    nz = 0
+    for j in range(lo, m.shape[1]):
+        nz |= (m[r, j] != 0) | (v[r, j] != 0)
+    return nz != 0
+
+
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
 # an element; with reciprocals and fused multiply-adds allowed it costs ~4.
 @numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
@@ -90,7 +98,10 @@ def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, col
             p[r, j] -= step_size * mj / (np.sqrt(vj) * inv + epsf)
         # A zero gradient on zero moments leaves all three as they are (SH coefficients not yet
         # trained, the most of a row in the first thousands of steps): neither they nor the
-        # gradient are read or written; moments left from an earlier run still decay.
+        # gradient are read or written; moments left from an earlier run still decay. The tail is
+        # first tested whole (a vectorised reduction): column by column it cost half of Adam.
+        if cols >= p.shape[1] or not _any_nonzero(m, v, r, cols):
+            continue
         for j in range(cols, p.shape[1]):
             if m[r, j] == 0 and v[r, j] == 0:
                 continue

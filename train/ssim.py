@@ -12,6 +12,8 @@ order, so the result does not depend on the number of threads (MPI runs compare 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -22,13 +24,16 @@ _C1, _C2 = np.float32(0.01 ** 2), np.float32(0.03 ** 2)
 _ONE, _TWO = np.float32(1.0), np.float32(2.0)
 
 
+@functools.lru_cache(maxsize=4)
 def gaussian_window(size: int = WINDOW, sigma: float = SIGMA) -> np.ndarray:  # [size] float32
     """The normalised 1D window, computed as pytorch_msssim's `_fspecial_gauss_1d` does, with torch
     in float32: SSIM's variances are differences of near-equal filtered values, so a window that
     differs in the last bit (numpy's exp) moved SSIM by 1e-5 on a real photo."""
     coords = torch.arange(size, dtype=torch.float32) - size // 2
     g = torch.exp(-(coords ** 2) / (2 * sigma ** 2))
-    return (g / g.sum()).numpy()
+    window = (g / g.sum()).numpy()
+    window.flags.writeable = False  # one array shared by every caller (cached: torch ops cost 0.15 ms a step)
+    return window
 
 
 # Valid rows per task of the forward: a band's horizontally filtered rows (5 maps x (BAND + 10)

@@ -29,7 +29,7 @@ from octree.bounds import extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
-from train.losses import SSIM_LAMBDA, Regularizers, photometric_loss, psnr
+from train.losses import SSIM_LAMBDA, Regularizers, training_loss
 from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
@@ -281,11 +281,11 @@ def rasterize_and_loss(
         parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
         with _raster_memory(cache, i, cameras[i], parts, rank):
             raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
-            loss = photometric_loss(raster.rgb, images[i], ssim_lambda)
+            loss, view_psnr = training_loss(raster.rgb, images[i], ssim_lambda)
             if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
                 (loss / n_cams).backward()
         out.losses.append(loss.detach())
-        out.psnrs.append(psnr(raster.rgb, images[i]))
+        out.psnrs.append(view_psnr)
         for (src, part), flags in zip(parts, _split_by_parts(raster.contributed, parts)):
             out.flags_of[(src, i)] = flags
         if absgrad:

@@ -24,14 +24,15 @@ FINITE_FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}  # a set: numba 
 
 
 def _dispatchers() -> list:
-    from train import losses, optim, ssim, stats
+    from train import loss_cpu, losses, optim, ssim, stats
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
-            ssim._ssim_forward, ssim._ssim_backward, stats._accumulate, losses._add_reg_grads]
+            ssim._ssim_forward, ssim._ssim_backward, loss_cpu._error_rows, loss_cpu._add_l1_grad, stats._accumulate,
+            losses._add_reg_grads]
 
 
 def cached() -> bool:
