@@ -83,6 +83,30 @@ def test_split_across_ranks_gives_the_single_process_gradients(scene):
         assert (merged - single[name].grad).abs().max() <= 1e-5 * scale, name
 
 
+def test_packed_gradients_are_the_leaves_gradients_packed(scene):
+    """`packed_grads=True` (what the trainer asks for) hands over exactly what autograd would
+    accumulate on the leaves and `pack_grads` would gather, for a union of two parts split by
+    rows afterwards; the leaves are left without gradients."""
+    splats, cam = scene
+    owner = project_batch(splats, [(0, cam, None)], 3).splats[0]
+    half = len(owner) // 2
+    results = []
+    for packed in (False, True):
+        parts = [owner.select(torch.arange(half)).as_leaves(), owner.select(torch.arange(half, len(owner))).as_leaves()]
+        out = rasterize(Splats2D.cat(parts), cam, absgrad=True, packed_grads=packed)
+        image_loss(out.rgb, out.alpha).backward()
+        if packed:
+            assert all(t.grad is None for p in parts for t in p.differentiable())
+            results.append(list(torch.split(out.packed_grads(), [half, len(owner) - half])))
+        else:
+            assert out.packed_grads is None
+            results.append([pack_grads(p) for p in parts])
+        results[-1].append(out.absgrad())
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert (results[1][0] != 0).any() and (results[1][1] != 0).any()
+
+
 def test_batch_projection_matches_a_projection_per_camera(shared_data):
     """An owner's fused projection into several cameras, each seeing some rows of the batch,
     against `project` of those rows camera by camera through autograd: the same splats, and the

@@ -29,7 +29,8 @@ class Exchange(Protocol):
 
     def return_grads(
         self,
-        incoming: Incoming,  # what send_splats returned, after backward filled the leaves' grads
+        incoming: Incoming,  # what send_splats returned
+        grads: dict[tuple[int, int], Tensor],  # (source rank, camera) -> [M, 9] pack_grads layout
         contributed: dict[tuple[int, int], Tensor],  # (source rank, camera) -> [M] bool
         absgrad: dict[tuple[int, int], Tensor] | None = None,  # (source rank, camera) -> [M, 2], sent along if given
     ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
@@ -82,7 +83,7 @@ class LocalExchange:
         return {}
 
     def return_grads(
-        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor],
+        self, incoming: Incoming, grads: dict[tuple[int, int], Tensor], contributed: dict[tuple[int, int], Tensor],
         absgrad: dict[tuple[int, int], Tensor] | None = None,
     ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
         return {}

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from train.exchange import Incoming
 from train.render import Splats2D
-from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS, pack_grads
+from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 
 _BACK_FLOATS = GRAD_FLOATS + 1  # gradients and the contributed flag
 
@@ -75,7 +75,7 @@ class MPIExchange:
         return incoming
 
     def return_grads(
-        self, incoming: Incoming, contributed: dict[tuple[int, int], Tensor],
+        self, incoming: Incoming, grads: dict[tuple[int, int], Tensor], contributed: dict[tuple[int, int], Tensor],
         absgrad: dict[tuple[int, int], Tensor] | None = None,
     ) -> dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]]:
         t0 = time.perf_counter()
@@ -89,7 +89,8 @@ class MPIExchange:
                 if self._received[src, cam]:
                     s = by_source[(src, cam)]
                     flags = contributed.get((src, cam), torch.zeros(len(s), dtype=torch.bool))
-                    cols = [pack_grads(s), flags.to(torch.float32)[:, None]]
+                    cols = [grads.get((src, cam), torch.zeros(len(s), GRAD_FLOATS)).to(torch.float32),
+                            flags.to(torch.float32)[:, None]]
                     if absgrad is not None:
                         cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2)).to(torch.float32))
                     parts.append(torch.cat(cols, 1).numpy())

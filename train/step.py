@@ -208,6 +208,7 @@ class Rendered:
 
     losses: list[Tensor]  # [] per rendered camera
     psnrs: list[float]
+    grads_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M, 9] pack_grads layout
     flags_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M] contributed
     abs_of: dict[tuple[int, int], Tensor]  # (source rank, camera) -> [M, 2] absolute 2D mean gradients (absgrad)
 
@@ -276,18 +277,22 @@ def rasterize_and_loss(
     cache=None,  # storage.BlockCache that counts the rasterizer's memory (None: not counted)
 ) -> Rendered:
     n_cams = len(cameras)
-    out = Rendered([], [], {}, {})
+    out = Rendered([], [], {}, {}, {})
     for i in (i for i in range(n_cams) if cam_rank[i] == rank):
         parts, s = _parts_for_camera(i, rank, routed.kept, routed.incoming)
         with _raster_memory(cache, i, cameras[i], parts, rank):
-            raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad)
+            raster = rasterize(s, cameras[i], background, backend=backend, absgrad=absgrad, packed_grads=True)
             loss, view_psnr = training_loss(raster.rgb, images[i], ssim_lambda)
             if loss.requires_grad:  # a camera that sees no splat has nothing to differentiate
                 (loss / n_cams).backward()
         out.losses.append(loss.detach())
         out.psnrs.append(view_psnr)
-        for (src, part), flags in zip(parts, _split_by_parts(raster.contributed, parts)):
+        # The CPU rasterizer hands the gradients over packed (no leaves split and packed again).
+        grads = (_split_by_parts(raster.packed_grads(), parts) if raster.packed_grads is not None
+                 else [pack_grads(part) for _, part in parts])
+        for (src, part), flags, g in zip(parts, _split_by_parts(raster.contributed, parts), grads):
             out.flags_of[(src, i)] = flags
+            out.grads_of[(src, i)] = g
         if absgrad:
             for (src, part), a in zip(parts, _split_by_parts(raster.absgrad(), parts)):
                 out.abs_of[(src, i)] = a
@@ -300,11 +305,13 @@ def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange, absgrad
     """Gradients and contributed flags (and absgrad) of every camera's splats of this owner,
     remote ones returned through the exchange."""
     rank = exchange.rank
+    remote_grads = {key: g for key, g in rendered.grads_of.items() if key[0] != rank}
     remote_flags = {key: f for key, f in rendered.flags_of.items() if key[0] != rank}
     remote_abs = {key: a for key, a in rendered.abs_of.items() if key[0] != rank} if absgrad else None
-    back = {i: Back(*v) for (_, i), v in exchange.return_grads(routed.incoming, remote_flags, remote_abs).items()}
-    back.update({i: Back(pack_grads(leaf), rendered.flags_of[(rank, i)], rendered.abs_of.get((rank, i)))
-                 for i, leaf in routed.kept.items()})
+    back = {i: Back(*v) for (_, i), v in exchange.return_grads(routed.incoming, remote_grads, remote_flags,
+                                                               remote_abs).items()}
+    back.update({i: Back(rendered.grads_of[(rank, i)], rendered.flags_of[(rank, i)], rendered.abs_of.get((rank, i)))
+                 for i in routed.kept})
     return back
 
 

@@ -24,7 +24,10 @@ tiled and trained under `mpirun -n R` (`--strategy none`, a metrics line every s
 plans the same store (`--store`, the trainer's regions, cameras and schedule) and, for the model
 it uses at sizes nobody can train here, a sampled city of the same size and cameras (city mode).
 Per step and rank: bytes sent and received as the trainer counts them (splat payloads, no control
-messages) against the plans'.
+messages) against the plans'. With `--run DIR --store STORE --data DATA` it compares an existing
+run instead (e.g. the scale bench's, `--work` kept: its `run-N` folder, pristine `city-N.zarr` and
+`city-N`), planning its store only (`--data-factor` as the run used; its schedule's settings read
+from the run's config.json).
 
 scaling: strong scaling of the trainer (`python -m train` under mpirun, real runs). Steps per second
 of 2 ranks x batch 1 against 1 rank x batch 2 (the same global batch, hence the same parameters) on
@@ -45,6 +48,7 @@ import argparse
 import json
 import os
 import subprocess
+import time
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -493,11 +497,20 @@ def planned(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=20, help="training steps")
     p.add_argument("--max-per-block", type=int, default=4096, help="the tiler's leaf capacity")
     p.add_argument("--work", type=Path, help="keep the city, store and runs here (default: a temporary folder)")
+    p.add_argument("--run", type=Path, help="an existing run's --out folder to compare instead, with --store and "
+                                             "--data (default: none: generate a city and train it)")
+    p.add_argument("--store", type=Path, help="with --run: the store it trained, as it was before the run (default: none)")
+    p.add_argument("--data", type=Path, help="with --run: its dataset (default: none)")
+    p.add_argument("--data-factor", type=int, default=1, help="with --run: the run's --data-factor")
     a = p.parse_args(argv)
-    for name in ("cameras", "ranks", "steps", "max_per_block"):
+    for name in ("cameras", "ranks", "steps", "max_per_block", "data_factor"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if (a.run is None) != (a.store is None) or (a.run is None) != (a.data is None):
+        p.error("--run, --store and --data go together")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
+    if a.run is not None:
+        return _planned_run(a.run, a.store, a.data, a.ranks, a.steps, a.data_factor)
     with scratch(a.work) as work:
         try:
             data = work / f"city-{a.gaussians:g}"
@@ -516,26 +529,62 @@ def planned(argv: list[str]) -> int:
         except (BenchError, OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    measured = {k: np.array([[r[k] for r in lines] for lines in run.ranks], dtype=np.float64).T  # [steps, R]
-                for k in ("bytes_sent", "bytes_received")}
-    by_store = {k: np.array([s[k] for s in of_store["steps"]]) for k in measured}
     print(f"\ncity of {a.gaussians:g} ground-truth Gaussians; the store tiled from its point cloud holds "
           f"{of_store['gaussians']:,} in {of_store['blocks']} blocks; {a.ranks} ranks x 1 camera, {a.steps} steps")
-    print(f"{'step':>4s} {'rank':>4s} {'sent (real)':>12s} {'planned':>12s} {'received (real)':>16s} {'planned':>12s}")
-    for step in range(a.steps):
-        for r in range(a.ranks):
-            print(f"{step + 1:4d} {r:4d} {measured['bytes_sent'][step, r]:12,.0f} {by_store['bytes_sent'][step, r]:12,.0f} "
-                  f"{measured['bytes_received'][step, r]:16,.0f} {by_store['bytes_received'][step, r]:12,.0f}")
-    exact = sum(int((by_store[k] == measured[k]).sum()) for k in measured)
-    worst = max(float(np.abs(by_store[k] - measured[k]).max() / max(measured[k].max(), 1)) for k in measured)
-    print(f"\n--store plan: {exact} of {2 * measured['bytes_sent'].size} (step, rank, direction) figures exact; "
-          f"total bytes sent {_relative(by_store['bytes_sent'], measured['bytes_sent'])} against the run; "
-          f"largest difference {worst:.2%} of the largest figure")
+    measured = _compare(run.ranks, of_store, a.ranks, a.steps)
     real_step = measured["bytes_sent"].sum() / a.steps
     city_step = of_city["per_step"]["bytes_ours_fwd_bwd"]  # both directions of every travelling splat
     print(f"city mode ({of_city['gaussians']:,} Gaussians, the ground truth's model): {city_step:,.0f} B a step "
           f"against the run's {real_step:,.0f} ({(city_step - real_step) / real_step:+.1%}); splats a step "
           f"{of_city['per_step']['splats']:,.0f} planned")
+    print(f"\nload average {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) -> dict[str, np.ndarray]:
+    """Print the run's bytes per step and rank beside the store plan's; returns the run's [steps, R]."""
+    measured = {k: np.array([[r[k] for r in lines[:steps]] for lines in ranks], dtype=np.float64).T
+                for k in ("bytes_sent", "bytes_received")}
+    by_store = {k: np.array([s[k] for s in of_store["steps"]]) for k in measured}
+    print(f"{'step':>4s} {'rank':>4s} {'sent (real)':>14s} {'planned':>14s} {'received (real)':>16s} {'planned':>14s}")
+    for step in range(steps):
+        for r in range(n_ranks):
+            print(f"{step + 1:4d} {r:4d} {measured['bytes_sent'][step, r]:14,.0f} {by_store['bytes_sent'][step, r]:14,.0f} "
+                  f"{measured['bytes_received'][step, r]:16,.0f} {by_store['bytes_received'][step, r]:14,.0f}")
+    exact = sum(int((by_store[k] == measured[k]).sum()) for k in measured)
+    worst = max(float(np.abs(by_store[k] - measured[k]).max() / max(measured[k].max(), 1)) for k in measured)
+    each = np.concatenate([np.abs(by_store[k] - measured[k]).ravel() / np.maximum(measured[k].ravel(), 1)
+                           for k in measured])
+    print(f"\n--store plan: {exact} of {2 * measured['bytes_sent'].size} (step, rank, direction) figures exact; "
+          f"total bytes sent {_relative(by_store['bytes_sent'], measured['bytes_sent'])}, received "
+          f"{_relative(by_store['bytes_received'], measured['bytes_received'])} against the run; largest "
+          f"difference {worst:.2%} of the largest figure; each figure within {each.max():.2%} of its own "
+          f"(median {np.median(each):.2%})")
+    return measured
+
+
+def _planned_run(run_dir: Path, store: Path, data: Path, n_ranks: int, steps: int, data_factor: int) -> int:
+    """The store plan against a run that exists (its metrics lines, one a step)."""
+    files = [run_dir / "metrics.jsonl"] if n_ranks == 1 else [run_dir / f"metrics.rank{r}.jsonl" for r in range(n_ranks)]
+    try:
+        ranks = [[r for r in map(json.loads, f.read_text().splitlines()) if r["kind"] == "train"] for f in files]
+        config = json.loads((run_dir / "config.json").read_text())
+        same = [x for key in ("locality_window", "seed", "batch_size", "test_every")
+                for x in (f"--{key.replace('_', '-')}", str(config[key]))]
+        t0 = time.perf_counter()
+        of_store = _planner("--store", store, "--data", data, "--ranks", str(n_ranks), "--steps", str(steps),
+                            "--data-factor", str(data_factor), *same)
+        seconds = time.perf_counter() - t0
+    except (BenchError, OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if min(len(lines) for lines in ranks) < steps:
+        print(f"error: {run_dir} logged {min(len(lines) for lines in ranks)} steps, fewer than --steps {steps}",
+              file=sys.stderr)
+        return 1
+    print(f"\n{run_dir}: the store holds {of_store['gaussians']:,} Gaussians in {of_store['blocks']} blocks; "
+          f"{n_ranks} ranks, {steps} steps; the plan took {seconds:.0f} s")
+    _compare(ranks, of_store, n_ranks, steps)
     print(f"\nload average {os.getloadavg()[0]:.1f}")
     return 0
 

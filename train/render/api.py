@@ -113,10 +113,13 @@ def project_batch(splats: dict[str, Tensor], views: list[View], sh_degree: int, 
 
 
 def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[float] | None = None,
-              backend: Backend = "cpu", absgrad: bool = False) -> RasterOutput:
+              backend: Backend = "cpu", absgrad: bool = False, packed_grads: bool = False) -> RasterOutput:
     """Composite `splats2d` front to back into camera's image; differentiable w.r.t. means2d,
     conics, opacities and colors. background: [3] or None (black). absgrad: also sum the absolute
-    per-pixel 2D mean gradients in the backward (`RasterOutput.absgrad`)."""
+    per-pixel 2D mean gradients in the backward (`RasterOutput.absgrad`). packed_grads: the CPU
+    backend's backward hands the splats' gradients over as one [M, 9] tensor
+    (`RasterOutput.packed_grads`) instead of accumulating them on the fields (CUDA accumulates
+    them and leaves `packed_grads` None)."""
     device = splats2d.means2d.device
     _check_backend(backend, device, "the splats")
     splats2d.check()
@@ -127,7 +130,7 @@ def rasterize(splats2d: Splats2D, camera: Camera, background: Tensor | Sequence[
         return rasterize_cuda(splats2d, camera.width, camera.height, bg, absgrad)
     if device.type != "cpu":
         raise RenderError(f"backend 'cpu' rasterizes CPU tensors, got splats on {device}")
-    return rasterize_cpu(splats2d, camera.width, camera.height, bg, absgrad)
+    return rasterize_cpu(splats2d, camera.width, camera.height, bg, absgrad, packed_grads)
 
 
 def render(splats: dict[str, Tensor], camera: Camera, sh_degree: int,

@@ -132,3 +132,6 @@ class RasterOutput:
     # Where asked for (`rasterize(..., absgrad=True)`): after the backward, [M, 2] the sum over
     # pixels of the absolute per-pixel gradient of each 2D mean component (gsplat's `absgrad`).
     absgrad: Callable[[], Tensor] | None = None
+    # Where asked for (`rasterize(..., packed_grads=True)`) and the backend can: after the backward,
+    # [M, 9] the splats' gradients in `pack_grads` layout, which then are not on the fields' `.grad`.
+    packed_grads: Callable[[], Tensor] | None = None

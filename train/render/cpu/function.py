@@ -9,7 +9,7 @@ from torch import Tensor
 from train.render.cpu import kernels
 from train.render.cpu.binning import bin_tiles
 from train.render.cpu.ellipse import splat_records
-from train.render.splats2d import RasterOutput, Splats2D, unpack_grads
+from train.render.splats2d import GRAD_FLOATS, RasterOutput, Splats2D, unpack_grads
 
 # Tiles differ in cost by orders of magnitude (sky vs foliage): hand them out one at a time.
 _TILES_PER_CHUNK = 1
@@ -24,7 +24,7 @@ class _Rasterize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, means2d: Tensor, conics: Tensor, opacities: Tensor, colors: Tensor,
                 depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor,
-                absgrad: list | None):
+                absgrad: list | None, packed: list | None):
         records = splat_records(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths))
         bins = bin_tiles(records, radii.detach().to(torch.int32).contiguous().numpy(), width, height)
         records = bins.records  # in depth order: the kernels index these, and results map back by bins.order
@@ -39,7 +39,7 @@ class _Rasterize(torch.autograd.Function):
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x, kernels.LANES,
                             rgb, t_final, stop, sat_depth, tile_end, contributed, blended)
-        ctx.state = (bins, bg, t_final, stop, tile_end, blended, width, height, absgrad)
+        ctx.state = (bins, bg, t_final, stop, tile_end, blended, width, height, absgrad, packed)
         contributed_t = torch.from_numpy(bins.to_rows(contributed)).to(torch.bool)
         sat_t = torch.from_numpy(sat_depth)
         ctx.mark_non_differentiable(contributed_t, sat_t)
@@ -48,7 +48,7 @@ class _Rasterize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
-        bins, bg, t_final, stop, tile_end, blended, width, height, absgrad = ctx.state
+        bins, bg, t_final, stop, tile_end, blended, width, height, absgrad, packed = ctx.state
         grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
         absgrads = np.zeros((bins.n_isects if absgrad is not None else 0, 2), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
@@ -59,17 +59,24 @@ class _Rasterize(torch.autograd.Function):
         if absgrad is not None:
             absgrad.append(torch.from_numpy(kernels.reduce_grads(absgrads, bins.hit_starts, bins.hit_slots,
                                                                  bins.order)))
-        return (*unpack_grads(per_splat), None, None, None, None, None, None)
+        if packed is not None:  # handed over as it is: no split into leaves to pack again
+            packed.append(per_splat)
+            return (None,) * 11
+        return (*unpack_grads(per_splat), None, None, None, None, None, None, None)
 
 
 def rasterize_cpu(splats: Splats2D, width: int, height: int, background: Tensor,
-                  absgrad: bool = False) -> RasterOutput:
+                  absgrad: bool = False, packed_grads: bool = False) -> RasterOutput:
     """background: [3] float32 on the CPU. absgrad: the backward also sums absolute per-pixel
-    2D mean gradients, read after it with `RasterOutput.absgrad()`."""
+    2D mean gradients, read after it with `RasterOutput.absgrad()`. packed_grads: the backward
+    leaves the splats' gradients as one [M, 9] tensor (`RasterOutput.packed_grads()`) instead of
+    accumulating them on the differentiable fields."""
     box: list[Tensor] | None = [] if absgrad else None  # the backward appends [M, 2]
+    packed: list[Tensor] | None = [] if packed_grads else None  # the backward appends [M, 9]
     rgb, alpha, contributed, sat_depth = _Rasterize.apply(
         splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths, splats.radii,
-        width, height, background, box)
+        width, height, background, box, packed)
     m = len(splats)
     return RasterOutput(rgb, alpha, contributed, sat_depth,
-                        None if box is None else lambda: box[-1] if box else torch.zeros(m, 2))
+                        None if box is None else lambda: box[-1] if box else torch.zeros(m, 2),
+                        None if packed is None else lambda: packed[-1] if packed else torch.zeros(m, GRAD_FLOATS))
