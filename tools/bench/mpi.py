@@ -555,6 +555,10 @@ def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) 
     worst = max(float(np.abs(by_store[k] - measured[k]).max() / max(measured[k].max(), 1)) for k in measured)
     each = np.concatenate([np.abs(by_store[k] - measured[k]).ravel() / np.maximum(measured[k].ravel(), 1)
                            for k in measured])
+    owned = [lines[0]["owned"] for lines in ranks]
+    planned_owned = of_store["per_rank"]["gaussians"]
+    print("Gaussians owned per rank, run (step 1) / plan: "
+          + ", ".join(f"{a:,} / {b:,.0f} ({(b - a) / max(a, 1):+.2%})" for a, b in zip(owned, planned_owned)))
     print(f"\n--store plan: {exact} of {2 * measured['bytes_sent'].size} (step, rank, direction) figures exact; "
           f"total bytes sent {_relative(by_store['bytes_sent'], measured['bytes_sent'])}, received "
           f"{_relative(by_store['bytes_received'], measured['bytes_received'])} against the run; largest "
