@@ -77,6 +77,8 @@ def _pose(file: Path, where: str, frame: dict) -> np.ndarray:  # -> [4, 4] world
     R = c2w[:3, :3]
     if np.abs(R.T @ R - np.eye(3)).max() > 1e-3 or np.linalg.det(R) < 0:
         raise TransformsError(file, "transform_matrix's rotation is not a rotation (scaled, sheared or mirrored)", where)
+    if np.abs(c2w[3] - [0.0, 0.0, 0.0, 1.0]).max() > 1e-6:  # else no rigid pose (and maybe singular)
+        raise TransformsError(file, "transform_matrix's last row is not [0, 0, 0, 1]", where)
     return np.linalg.inv(c2w @ OPENGL_TO_OPENCV)
 
 
