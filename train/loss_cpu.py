@@ -7,7 +7,7 @@ Here the forward adds the L1 and squared-error row sums to SSIM's fused pass and
 the L1 term to SSIM's gradient in one pass.
 
 The gradient is bit for bit what autograd gives for the composite expression in
-`train.losses.photometric_loss`: the scalar factors are the same float32 torch operations on the
+`train.losses.composite_photometric_loss`: the scalar factors are the same float32 torch operations on the
 output's gradient (`_scalar_factors`), the L1 term of a pixel is sign(x - y) times its factor
 (exact), and it is added to SSIM's gradient in float32 without contraction, as autograd sums the
 two branches. The loss value is summed in float64 (torch sums the L1 mean in float32), so it can
@@ -20,7 +20,7 @@ import torch
 from numba import njit, prange
 from torch import Tensor
 
-from train.ssim import _ssim_backward, _ssim_forward, gaussian_window
+from train.ssim import SsimPass
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -51,39 +51,36 @@ def _add_l1_grad(grad, x, y, d):  # grad [H, W, C] float32 in place; x, y [C, H,
                 grad[i, j, c] += np.sign(xr[j] - yr[j]) * d
 
 
-def _scalar_factors(grad_out: Tensor, ssim_lambda: float, pixels: int, valid: int) -> tuple[np.float32, np.float32]:
-    """The L1 term's per-pixel factor and SSIM's scale, from the loss's gradient by the very
-    float32 operations autograd applies to the composite expression: the weights' multiplies,
-    the mean's division, rsub's negation; then `train.ssim._Ssim.backward`'s float(grad) / valid."""
+def _scalar_factors(grad_out: Tensor, ssim_lambda: float, pixels: int) -> tuple[np.float32, float]:
+    """The L1 term's per-pixel factor and SSIM's gradient multiple, from the loss's gradient by the
+    very float32 operations autograd applies to the composite expression: the weights' multiplies,
+    the mean's division, rsub's negation."""
     with torch.no_grad():
         d_l1 = (grad_out * (1.0 - ssim_lambda)) / pixels
         d_ssim = -(grad_out * ssim_lambda)
-    return np.float32(float(d_l1)), np.float32(float(d_ssim) / valid)
+    return np.float32(float(d_l1)), float(d_ssim)
 
 
 class _Photometric(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rendered: Tensor, target: Tensor, ssim_lambda: float):  # [H, W, C] each -> loss, mse
-        x = rendered.detach().permute(2, 0, 1).contiguous().numpy()
-        y = target.detach().permute(2, 0, 1).contiguous().numpy()
-        g = gaussian_window()
-        sums, d_mu, d_xx, d_xy = _ssim_forward(x, y, g)
-        l1_rows, se_rows = _error_rows(x, y)
-        ctx.state = (x, y, g, d_mu, d_xx, d_xy, ssim_lambda)
-        structure = np.float32(sums.sum() / d_mu.size)
-        l1 = np.float32(l1_rows.sum() / x.size)
-        loss = torch.tensor((1.0 - ssim_lambda) * float(l1) + ssim_lambda * (1.0 - float(structure)),
+        structure = SsimPass(rendered, target)
+        l1_rows, se_rows = _error_rows(structure.x, structure.y)
+        ctx.state = (structure, ssim_lambda)
+        pixels = structure.x.size
+        l1 = np.float32(l1_rows.sum() / pixels)
+        loss = torch.tensor((1.0 - ssim_lambda) * float(l1) + ssim_lambda * (1.0 - structure.value),
                             dtype=torch.float32)
-        mse = torch.tensor(se_rows.sum() / x.size, dtype=torch.float64)
+        mse = torch.tensor(se_rows.sum() / pixels, dtype=torch.float64)
         ctx.mark_non_differentiable(mse)
         return loss, mse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor, _grad_mse):
-        x, y, g, d_mu, d_xx, d_xy, ssim_lambda = ctx.state
-        d_l1, scale = _scalar_factors(grad_out, ssim_lambda, x.size, d_mu.size)
-        grad = _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale)
-        _add_l1_grad(grad, x, y, d_l1)
+        structure, ssim_lambda = ctx.state
+        d_l1, d_ssim = _scalar_factors(grad_out, ssim_lambda, structure.x.size)
+        grad = structure.grad(d_ssim)
+        _add_l1_grad(grad, structure.x, structure.y, d_l1)
         return torch.from_numpy(grad), None, None
 
 

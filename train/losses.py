@@ -11,8 +11,8 @@ import torch
 from pytorch_msssim import ssim as _ssim
 from torch import Tensor
 
-from train.ssim import WINDOW as SSIM_WINDOW  # smaller images fall back to L1
 from train.loss_cpu import photometric_cpu
+from train.ssim import WINDOW as SSIM_WINDOW  # smaller images fall back to L1
 from train.ssim import fused_ssim_applies, ssim_cpu
 
 SSIM_LAMBDA = 0.2  # the D-SSIM term's weight in 3DGS's loss (gsplat's --ssim-lambda)
@@ -26,8 +26,10 @@ def ssim(rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, 3] each -> scala
 
 
 def photometric_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> Tensor:
-    """rendered, target: [H, W, 3] in [0, 1]; returns a scalar."""
-    return training_loss(rendered, target, ssim_lambda)[0]
+    """rendered, target: [H, W, 3] in [0, 1]; returns a scalar (no PSNR: on CUDA it would sync)."""
+    if ssim_lambda > 0.0 and fused_ssim_applies(rendered, target):
+        return photometric_cpu(rendered, target, ssim_lambda)[0]
+    return composite_photometric_loss(rendered, target, ssim_lambda)
 
 
 def training_loss(rendered: Tensor, target: Tensor, ssim_lambda: float = SSIM_LAMBDA) -> tuple[Tensor, float]:

@@ -100,7 +100,7 @@ def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, col
         # trained, the most of a row in the first thousands of steps): neither they nor the
         # gradient are read or written; moments left from an earlier run still decay. The tail is
         # first tested whole (a vectorised reduction): column by column it cost half of Adam.
-        if cols >= p.shape[1] or not _any_nonzero(m, v, r, cols):
+        if not _any_nonzero(m, v, r, cols):
             continue
         for j in range(cols, p.shape[1]):
             if m[r, j] == 0 and v[r, j] == 0:

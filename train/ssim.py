@@ -132,21 +132,31 @@ def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale):  # -> [H, W, C] float32 d 
     return grad
 
 
+class SsimPass:
+    """SSIM of two [H, W, C] float32 CPU images, kept for its gradient: the fused forward once,
+    then `grad` of any multiple of it (the training loss's node and `ssim_cpu` both use it)."""
+
+    def __init__(self, rendered: Tensor, target: Tensor) -> None:
+        self.x = rendered.detach().permute(2, 0, 1).contiguous().numpy()  # [C, H, W]
+        self.y = target.detach().permute(2, 0, 1).contiguous().numpy()
+        self.g = gaussian_window()
+        sums, self.d_mu, self.d_xx, self.d_xy = _ssim_forward(self.x, self.y, self.g)
+        self.value = float(np.float32(sums.sum() / self.d_mu.size))
+
+    def grad(self, grad_value: float) -> np.ndarray:  # -> [H, W, C] float32 d (grad_value * SSIM) / d rendered
+        scale = np.float32(grad_value / self.d_mu.size)
+        return _ssim_backward(self.x, self.y, self.g, self.d_mu, self.d_xx, self.d_xy, scale)
+
+
 class _Ssim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rendered: Tensor, target: Tensor) -> Tensor:  # [H, W, C] each -> scalar
-        x = rendered.detach().permute(2, 0, 1).contiguous().numpy()
-        y = target.detach().permute(2, 0, 1).contiguous().numpy()
-        g = gaussian_window()
-        sums, d_mu, d_xx, d_xy = _ssim_forward(x, y, g)
-        ctx.state = (x, y, g, d_mu, d_xx, d_xy)
-        return torch.tensor(sums.sum() / d_mu.size, dtype=torch.float32)
+        ctx.state = SsimPass(rendered, target)
+        return torch.tensor(ctx.state.value, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, y, g, d_mu, d_xx, d_xy = ctx.state
-        scale = np.float32(float(grad_out) / d_mu.size)
-        return torch.from_numpy(_ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale)), None
+        return torch.from_numpy(ctx.state.grad(float(grad_out))), None
 
 
 def fused_ssim_applies(rendered: Tensor, target: Tensor) -> bool:

@@ -48,8 +48,8 @@ import argparse
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
