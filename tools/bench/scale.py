@@ -24,6 +24,7 @@ from tools.bench.train import (BenchError, TrainRun, python_module, run_child, s
                                warm_images)
 from tools.scenes import SceneConfig
 from tools.scenes.city import CAPTURES
+from train.config import OptimConfig
 from train.cli import HelpFormatter
 
 MiB = 2**20
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=1500.0, help="each rank's block cache")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--strategy", choices=("none", "default", "mcmc"), default="none", help="densification")
+    p.add_argument("--opacities-lr", type=float, default=OptimConfig.opacities_lr,
+                   help="the trainer's --opacities-lr: a short run over a large city sees each Gaussian a few "
+                   "dozen times, and Adam moves an opacity logit by about this much each time")
     p.add_argument("--max-per-block", type=int, default=32768, help="the tiler's leaf capacity")
     p.add_argument("--work", type=Path, help="keep the cities, stores and runs here (default: a temporary folder)")
     return p
@@ -68,11 +72,12 @@ def _per_step(run: TrainRun, name: str) -> np.ndarray:  # [R, steps] from a coun
 
 
 def _report(share: float, gaussians: int, state: int, cache_mb: float, ranks: int, base: dict, run: TrainRun,
-            strategy: str) -> None:
+            strategy: str, opacities_lr: float) -> None:
     job_cache = cache_mb * MiB * ranks
     print(f"\n{share:g} of the city: {gaussians:,} Gaussians, state {state / 2**30:.2f} GiB = "
           f"{state / job_cache:.1f}x the job's cache ({ranks} x {cache_mb:g} MiB); densification "
-          f"{'off' if strategy == 'none' else strategy}; {run.summary['steps']} steps in {run.seconds:.0f} s")
+          f"{'off' if strategy == 'none' else strategy}; --opacities-lr {opacities_lr:g}; {run.summary['steps']} steps in "
+          f"{run.seconds:.0f} s")
     print(f"  held-out PSNR {base['test_psnr']:.3f} dB at the start -> {run.summary['test_psnr']:.3f} dB "
           f"({run.summary['test_psnr'] - base['test_psnr']:+.3f})")
     seconds = np.diff(np.array([r["time"] for r in run.ranks[0]]))
@@ -101,6 +106,8 @@ def main(argv: list[str]) -> int:
         p.error(f"--gaussians {a.gaussians:g}: between 1e3 and 1e10")
     if a.cache_mb <= 0:
         p.error(f"--cache-mb {a.cache_mb:g}: must be positive")
+    if not (np.isfinite(a.opacities_lr) and a.opacities_lr > 0):
+        p.error(f"--opacities-lr {a.opacities_lr:g}: must be a positive number")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
     with scratch(a.work) as work:
         for share in a.fractions:
@@ -117,13 +124,14 @@ def main(argv: list[str]) -> int:
                 store = tile(data, work / f"city-{n:g}.zarr", a.max_per_block, "--sh-degree", "3")
                 size = store_size(store)
                 warm_images(data, 1)
-                flags = ["--cache-mb", f"{a.cache_mb:g}", "--strategy", a.strategy, "--data-factor", "1"]
+                flags = ["--cache-mb", f"{a.cache_mb:g}", "--strategy", a.strategy, "--data-factor", "1",
+                         "--opacities-lr", f"{a.opacities_lr:g}"]
                 base = train(data, store, work / f"base-{n:g}", 0, *flags, ranks=a.ranks).summary
                 run = train(data, store, work / f"run-{n:g}", a.steps, *flags, ranks=a.ranks)
             except (BenchError, OSError, ValueError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-            _report(share, size.gaussians, size.nbytes, a.cache_mb, a.ranks, base, run,
-                    a.strategy)
+            _report(share, size.gaussians, size.nbytes, a.cache_mb, a.ranks, base, run, a.strategy,
+                    a.opacities_lr)
     print(f"\nload average {os.getloadavg()[0]:.1f}")
     return 0
