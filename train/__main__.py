@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from train.config import ConfigError, parse_config
 from train.render.cpu.compiled import ensure_compiled
-from train.trainer import EXPECTED_ERRORS, SetupError, run
+from train.trainer import EXPECTED_ERRORS, SetupError, resolve_device, run
 _INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
 
 
@@ -70,7 +70,7 @@ def _main_mpi(cfg) -> int:
     numba.set_num_threads(1)
     comm = MPI.COMM_WORLD
     try:
-        summary = run(cfg, MPIExchange(comm))
+        summary = run(cfg, MPIExchange(comm, resolve_device(cfg.device)))
     except SetupError as e:  # every rank raised it: each exits, and no output is cut off
         if comm.Get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -3,6 +3,8 @@
 Per step: `Alltoall` of per-camera splat counts, `Alltoallv` of packed float32 splats (12 floats
 each), and back the other way `Alltoallv` of 10 floats per splat (9 gradient floats and the
 rasterizer's contributed flag). Layouts on both sides are (rank, camera ascending), so no ids travel.
+On a GPU a message is packed on the device and crosses to the host in one copy, and what arrives
+goes to the device in one copy.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ def _displacements(counts: np.ndarray) -> np.ndarray:
 
 
 class MPIExchange:
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, device: str | torch.device = "cpu") -> None:
         self.comm = comm
+        self.device = torch.device(device)  # where received splats and gradients are handed over
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.bytes_sent = 0
@@ -56,11 +59,11 @@ class MPIExchange:
                 s = outgoing.get((dest, cam))
                 if s is not None and len(s):
                     counts[dest, cam] = len(s)
-                    parts.append(s.pack().cpu().numpy())
+                    parts.append(s.pack())
         received = np.empty_like(counts)
         self.comm.Alltoall(counts, received)
-        send = np.concatenate(parts) if parts else np.zeros((0, WIRE_FLOATS), np.float32)
-        buf = self._alltoallv(send, counts.sum(1), received.sum(1), WIRE_FLOATS)
+        send = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, WIRE_FLOATS), np.float32)
+        buf = torch.from_numpy(self._alltoallv(send, counts.sum(1), received.sum(1), WIRE_FLOATS)).to(self.device)
         self._sent, self._received = counts, received
         incoming: Incoming = {}
         offset = 0
@@ -68,7 +71,7 @@ class MPIExchange:
             for cam in range(n_cameras):
                 m = int(received[src, cam])
                 if m:
-                    s = Splats2D.unpack(torch.from_numpy(buf[offset : offset + m]), requires_grad=True)
+                    s = Splats2D.unpack(buf[offset : offset + m], requires_grad=True)
                     incoming.setdefault(cam, []).append((src, s))
                     offset += m
         self.seconds += time.perf_counter() - t0
@@ -88,14 +91,14 @@ class MPIExchange:
             for cam in range(n_cameras):
                 if self._received[src, cam]:
                     s = by_source[(src, cam)]
-                    flags = contributed.get((src, cam), torch.zeros(len(s), dtype=torch.bool))
-                    cols = [grads.get((src, cam), torch.zeros(len(s), GRAD_FLOATS)).to(torch.float32),
+                    flags = contributed.get((src, cam), torch.zeros(len(s), dtype=torch.bool, device=self.device))
+                    cols = [grads.get((src, cam), torch.zeros(len(s), GRAD_FLOATS, device=self.device)).to(torch.float32),
                             flags.to(torch.float32)[:, None]]
                     if absgrad is not None:
-                        cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2)).to(torch.float32))
-                    parts.append(torch.cat(cols, 1).numpy())
-        send = np.concatenate(parts) if parts else np.zeros((0, width), np.float32)
-        buf = torch.from_numpy(self._alltoallv(send, self._received.sum(1), self._sent.sum(1), width))
+                        cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2, device=self.device)).to(torch.float32))
+                    parts.append(torch.cat(cols, 1))
+        send = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, width), np.float32)
+        buf = torch.from_numpy(self._alltoallv(send, self._received.sum(1), self._sent.sum(1), width)).to(self.device)
         out: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
         offset = 0
         for dest in range(self.size):

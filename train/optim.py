@@ -294,6 +294,59 @@ class LazyDense:
         return behind
 
 
+def adam_batch(
+    blocks: list[dict[str, Tensor]],  # the batch's blocks in batch order, every array of each
+    params: dict[str, Tensor],  # name -> [M, ...] the batch's parameters: the blocks' rows joined (a lone block's own tensors)
+    grads: dict[str, Tensor],  # name -> [M, ...] their gradients
+    mask: Tensor,  # [M] bool: the rows to update
+    lrs: dict[str, float],
+    cfg: AdamConfig,
+    global_step: int = 0,  # > 0: bias correction by this step, not each row's count
+) -> None:
+    """`SparseAdam` over a whole gathered batch in one pass of torch ops, for a GPU: per block,
+    `SparseAdam.step`'s torch path launches some twenty kernels a parameter and syncs with the host
+    to find its rows, which for hundreds of blocks a step costs more than the arithmetic. Here
+    every row is computed and `torch.where` keeps the unmasked ones as they were, so no row list
+    is made; the results go back into the blocks with one multi-tensor copy an array. The
+    arithmetic is `_adam_rows_cpu`'s, in float32 with float64 bias corrections."""
+    sizes = [int(b["means"].shape[0]) for b in blocks]
+    if not sizes or sum(sizes) == 0:
+        return
+    lone = len(blocks) == 1
+
+    def joined(name: str) -> Tensor:
+        return blocks[0][name] if lone else torch.cat([b[name] for b in blocks])
+
+    def put_back(name: str, value: Tensor) -> None:
+        if lone:
+            blocks[0][name].copy_(value)
+        else:
+            torch._foreach_copy_([b[name] for b in blocks], list(torch.split(value, sizes)))
+
+    (b1, b2), eps = cfg.betas, cfg.eps
+    step = joined("adam_step") + mask.to(torch.int32)  # [M]
+    put_back("adam_step", step)
+    # Unmasked rows may have taken no step yet (a zero bias correction): they are computed at
+    # step 1 and then dropped by the mask.
+    t = (step.to(torch.float64).clamp_(min=1.0) if global_step <= 0
+         else torch.full_like(step, global_step, dtype=torch.float64))
+    bc1 = 1.0 - torch.pow(b1, t)  # [M] float64
+    inv_bc2_sqrt = torch.rsqrt(1.0 - torch.pow(b2, t)).to(torch.float32)[:, None]  # [M, 1]
+    keep = mask[:, None]
+    for name in PARAM_NAMES:
+        p = params[name].detach()
+        n = p.shape[0]
+        p2, g = p.reshape(n, -1), grads[name].detach().reshape(n, -1)
+        m, v = joined(f"exp_avg_{name}").reshape(n, -1), joined(f"exp_avg_sq_{name}").reshape(n, -1)
+        m_new = m * b1 + g * (1.0 - b1)
+        v_new = v * b2 + g * g * (1.0 - b2)
+        step_size = (lrs[name] / bc1).to(torch.float32)[:, None]  # [M, 1]
+        p_new = p2 - step_size * m_new / (torch.sqrt(v_new) * inv_bc2_sqrt + eps)
+        put_back(f"exp_avg_{name}", torch.where(keep, m_new, m).view(p.shape))
+        put_back(f"exp_avg_sq_{name}", torch.where(keep, v_new, v).view(p.shape))
+        put_back(name, torch.where(keep, p_new, p2).view(p.shape))  # a lone block's params are its own tensors
+
+
 class SparseAdam:
     """One step of sparse Adam over the blocks of a gathered batch: the batch's gradients and the
     mask of rows to update are converted once, then each block costs one compiled call."""

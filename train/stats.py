@@ -3,8 +3,9 @@ cameras of its 2D mean's gradient norm (in NDC-like units), how many cameras it 
 (projected into the image with a positive radius, whether or not it reached a pixel), and its
 largest screen radius relative to the image size.
 
-One compiled loop a camera: through torch this was a dozen small ops a camera (~0.1 ms each
-under MPI), a cost that followed the number of cameras a rank's blocks appear in.
+On the host, one compiled loop a camera: through torch this was a dozen small ops a camera (~0.1
+ms each under MPI), a cost that followed the number of cameras a rank's blocks appear in. On a
+GPU the same sums are three scatter kernels a camera (`DeviceStats`), so nothing leaves the device.
 """
 from __future__ import annotations
 
@@ -46,3 +47,32 @@ def accumulate_stats(
     _accumulate(*arrays,
                 camera.width / 2.0 * n_cameras, camera.height / 2.0 * n_cameras,
                 1.0 / float(max(camera.width, camera.height)), stats["grad2d"], stats["count"], stats["max_radii"])
+
+
+class DeviceStats:
+    """The statistics of a batch of n Gaussians as tensors on the batch's device, accumulated by
+    torch's scatter kernels: `accumulate_stats`'s arithmetic (the norm in float64, stored in
+    float32), without copying each camera's splats to the host. A camera's splats hold each
+    Gaussian once, so its scatter adds no two values into one row: cameras are added in the
+    caller's order, and the sums do not depend on the kernels' scheduling."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.grad2d = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+        self.count = torch.zeros(n, dtype=torch.int32, device=device)  # [n]
+        self.max_radii = torch.zeros(n, dtype=torch.float32, device=device)  # [n]
+
+    def add(
+        self,
+        ids: Tensor,  # [M] int64 batch rows of one camera's splats, each at most once
+        radii: Tensor,  # [M, 2] int
+        grads: Tensor,  # [M, >= 2] the 2D mean's gradient first (pack_grads layout, or absgrad [M, 2])
+        camera: Camera,
+        n_cameras: int,
+    ) -> None:
+        g = grads[:, :2].detach().to(torch.float64)
+        g = g * torch.tensor([camera.width / 2.0 * n_cameras, camera.height / 2.0 * n_cameras],
+                             dtype=torch.float64, device=g.device)
+        self.grad2d.index_add_(0, ids, torch.linalg.vector_norm(g, dim=1).to(torch.float32))
+        self.count.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        r = radii.amax(dim=1).to(torch.float64) * (1.0 / float(max(camera.width, camera.height)))
+        self.max_radii.scatter_reduce_(0, ids, r.to(torch.float32), "amax")

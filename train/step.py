@@ -25,17 +25,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from octree.bounds import extent_boxes
+from octree.bounds import BOX_LIMIT, EXTENT_SIGMA, extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
 from train.losses import SSIM_LAMBDA, Regularizers, training_loss
-from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, numpy_arrays
+from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, adam_batch, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.render.semantics import num_sh_bases
-from train.stats import accumulate_stats, empty_stats
+from train.stats import DeviceStats, accumulate_stats, empty_stats
 from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, raster_bytes, step_bytes, wave_bytes
 
 
@@ -158,13 +158,31 @@ def _split_by_parts(values: Tensor, parts: list[tuple[int, Splats2D]]) -> list[T
 
 def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
     """New extent box of each block, in one pass over all of them (a box per block cost ~0.1 ms
-    in numpy calls, which added up to a fifth of a step with small blocks)."""
+    in numpy calls, which added up to a fifth of a step with small blocks). Blocks on a GPU are
+    reduced there, and only the boxes come to the host."""
     if not blocks:
         return {}
-    means, scales = (_joined([t[name].detach() for t in blocks.values()]).cpu().numpy() for name in ("means", "scales"))
+    if next(iter(blocks.values()))["means"].device.type != "cpu":
+        return dict(zip(blocks, _extent_boxes_device(blocks).tolist()))
+    means, scales = (_joined([t[name].detach() for t in blocks.values()]).numpy() for name in ("means", "scales"))
     starts = np.cumsum([0] + [len(t["means"]) for t in blocks.values()])[:-1]
     boxes = extent_boxes(means, scales, starts)
     return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}
+
+
+def _extent_boxes_device(blocks: dict[str, dict[str, Tensor]]) -> Tensor:  # [B, 6] float64 on the host
+    """`octree.bounds.extent_boxes` (the same sigma and limit, float64) by torch's scatter reductions."""
+    means, scales = (_joined([t[name].detach() for t in blocks.values()]) for name in ("means", "scales"))
+    r = (EXTENT_SIGMA * torch.exp(scales.amax(dim=1).to(torch.float64)))[:, None]  # [N, 1]
+    means = means.to(torch.float64)
+    sizes = torch.tensor([len(t["means"]) for t in blocks.values()], device=means.device)
+    rows = torch.repeat_interleave(torch.arange(len(blocks), device=means.device), sizes)[:, None].expand(-1, 3)
+    boxes = torch.empty(len(blocks), 6, dtype=torch.float64, device=means.device)
+    boxes[:, :3] = math.inf
+    boxes[:, 3:] = -math.inf
+    boxes[:, :3].scatter_reduce_(0, rows, means - r, "amin")
+    boxes[:, 3:].scatter_reduce_(0, rows, means + r, "amax")
+    return boxes.clamp_(-BOX_LIMIT, BOX_LIMIT).cpu()
 
 
 # ---- the phases ----
@@ -323,8 +341,12 @@ def backprop_owned(projected: Projected, back: dict[int, Back], mode: str) -> Ba
     stepped = torch.full((g.offsets[-1],), mode == "dense", dtype=torch.bool, device=g.params["means"].device)
     if mode != "dense":
         for i, b in back.items():
-            ids = projected.owned[i].ids
-            stepped[ids if mode == "visible" else ids[b.contributed]] = True
+            ids = projected.owned[i].ids  # each row at most once a camera
+            # (no boolean indexing: on a GPU it waits for the device to count the rows)
+            if mode == "visible":
+                stepped[ids] = True
+            else:
+                stepped[ids] |= b.contributed
     return Backprop(back, stepped)
 
 
@@ -371,11 +393,16 @@ def adam_update(
     stats: StepStats,
     perturb=None,  # train.densify.Perturb: applied to each block's rows the step saw, after Adam
     global_step: int = 0,  # > 0: Adam's bias correction by this step (visible, dense), not each row's count
+    batched: bool | None = None,  # step the batch at once with torch ops (default: where it is on a GPU)
 ) -> None:
     """Sparse Adam on the rows `bp` selects in each block, then the densification statistics
     (summed in camera order: the sums must not depend on who rendered what) of every Gaussian a
-    camera saw, as gsplat counts them."""
+    camera saw, as gsplat counts them. On a GPU (or with `batched`) the batch is stepped at once
+    on the device (`adam_update_batched`)."""
     g, owned, n_cams = projected.gathered, projected.owned, len(cameras)
+    if batched if batched is not None else g.params["means"].device.type != "cpu":
+        adam_update_batched(paged, projected, bp, cameras, cache, lrs, adam, stats, perturb, global_step)
+        return
     acc = empty_stats(g.offsets[-1])
     for i in sorted(bp.back):
         accumulate_stats(acc, owned[i].ids, owned[i].radii, bp.back[i].statistic, cameras[i], n_cams)
@@ -394,6 +421,50 @@ def adam_update(
                       out=t["max_radii"])
         if perturb is not None:
             perturb(k, t, torch.from_numpy(np.flatnonzero(acc["count"][lo:hi])).to(t["means"].device))
+        cache.mark_dirty(k)
+        changed.append(k)
+        stats.contributed += rows
+    stats.extents.update(_extents({k: paged.tensors[k] for k in changed}))
+
+
+def adam_update_batched(
+    paged: Paged,
+    projected: Projected,
+    bp: Backprop,
+    cameras: list[Camera],
+    cache,
+    lrs: dict[str, float],
+    adam: AdamConfig,
+    stats: StepStats,
+    perturb=None,
+    global_step: int = 0,
+) -> None:
+    """`adam_update` for a batch on a GPU: the statistics, Adam and the blocks' new rows stay on
+    the device, and one small copy a step tells the host which blocks changed. The host path's
+    per-block calls would each launch a score of kernels and wait for the device."""
+    g, owned, n_cams = projected.gathered, projected.owned, len(cameras)
+    device = g.params["means"].device
+    acc = DeviceStats(g.offsets[-1], device)
+    for i in sorted(bp.back):
+        acc.add(owned[i].ids, owned[i].radii, bp.back[i].statistic, cameras[i], n_cams)
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in g.params.items()}
+    blocks = [paged.tensors[k] for k in paged.keys]
+    adam_batch(blocks, g.params, grads, bp.contributed, lrs, adam, global_step)
+    sizes = [hi - lo for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
+    for name, values in (("grad2d", acc.grad2d), ("count", acc.count)):
+        torch._foreach_add_([b[name] for b in blocks], list(torch.split(values, sizes)))
+    torch._foreach_maximum_([b["max_radii"] for b in blocks], list(torch.split(acc.max_radii, sizes)))
+    seen = acc.count > 0  # [N]
+    of_block = torch.repeat_interleave(torch.arange(len(blocks), device=device), torch.tensor(sizes, device=device))
+    per_block = torch.zeros(2, len(blocks), dtype=torch.int64, device=device)
+    per_block.index_add_(1, of_block, torch.stack([bp.contributed, seen]).to(torch.int64))
+    changed = []
+    for b, (k, rows, saw) in enumerate(zip(paged.keys, *per_block.tolist())):
+        if rows == 0 and saw == 0:
+            continue
+        if perturb is not None:
+            lo, hi = g.offsets[b], g.offsets[b + 1]
+            perturb(k, paged.tensors[k], torch.nonzero(seen[lo:hi]).squeeze(1))
         cache.mark_dirty(k)
         changed.append(k)
         stats.contributed += rows
