@@ -12,7 +12,7 @@ import torch
 from octree.bounds import extent_boxes
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
 from train.camera import Camera
-from train.optim import AdamConfig, SparseAdam, adam_batch, learning_rates, numpy_arrays
+from train.optim import AdamConfig, LazyDense, SparseAdam, adam_batch, learning_rates, numpy_arrays
 from train.stats import DeviceStats, accumulate_stats, empty_stats
 from train.step import (Back, Backprop, Gathered, Paged, Projected, StepStats, _extent_boxes_device, adam_update,
                         backprop_owned, gather)
@@ -189,3 +189,34 @@ def test_rows_stepped_are_the_union_over_cameras(mode):
     stepped = backprop_owned(projected, back, mode).contributed
     want = {"contributed": [1, 0, 1, 0, 1, 0], "visible": [1, 1, 1, 0, 1, 0], "dense": [1] * 6}[mode]
     assert stepped.tolist() == [bool(x) for x in want]
+
+
+@pytest.mark.parametrize("sizes", [(6,), (4, 2, 5)])
+def test_dense_catch_up_of_a_batch_equals_the_compiled_one(sizes):
+    """Dense Adam's put-off zero-gradient steps, taken for all blocks at once (the GPU's way),
+    against the compiled per-row loop: rows behind by different counts, one up to date, one whose
+    moments are zero."""
+    cfg, steps = AdamConfig(), 30
+    lazy = LazyDense(cfg, steps, scene_scale=1.5)
+    g = torch.Generator().manual_seed(9)
+    blocks = [_block(n, seed=30 + i) for i, n in enumerate(sizes)]
+    for b in blocks:
+        for name in PARAM_NAMES:
+            b[f"exp_avg_{name}"].copy_(torch.randn(b[name].shape, generator=g) * 1e-2)
+            b[f"exp_avg_sq_{name}"].copy_(torch.rand(b[name].shape, generator=g) * 1e-3)
+        b["adam_step"].copy_(torch.randint(0, 20, b["adam_step"].shape, generator=g, dtype=torch.int32))
+    blocks[0]["adam_step"][0] = 20  # up to date
+    for name in PARAM_NAMES:  # no moments: stays as it is
+        blocks[-1][f"exp_avg_{name}"][-1] = 0.0
+        blocks[-1][f"exp_avg_sq_{name}"][-1] = 0.0
+    host, before = _copy(blocks), _copy(blocks)
+    want = [lazy.catch_up(b, 20, numpy_arrays(b)) for b in host]
+    assert lazy.catch_up_batch(blocks, 20) == want and sum(want) > 0
+    for b, ref, old in zip(blocks, host, before):
+        assert torch.equal(b["adam_step"], ref["adam_step"])
+        for k in b:
+            torch.testing.assert_close(b[k], ref[k], rtol=2e-6, atol=1e-7, msg=k)
+    assert torch.equal(blocks[0]["means"][0], before[0]["means"][0])
+    assert torch.equal(blocks[-1]["means"][-1], before[-1]["means"][-1])
+    assert not torch.equal(blocks[0]["means"], before[0]["means"])
+    assert lazy.catch_up_batch(blocks, 20) == [0] * len(sizes)

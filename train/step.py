@@ -361,7 +361,14 @@ def catch_up_block(lazy: LazyDense, cache, key: str, done: int) -> int:
 
 
 def catch_up(paged: Paged, cache, adam_step: AdamStep) -> None:
-    """Dense Adam: every row of the step's blocks takes the steps it missed before this one."""
+    """Dense Adam: every row of the step's blocks takes the steps it missed before this one (on a
+    GPU all blocks at once)."""
+    if paged.keys and paged.tensors[paged.keys[0]]["means"].device.type != "cpu":
+        behind = adam_step.lazy.catch_up_batch([paged.tensors[k] for k in paged.keys], adam_step.number - 1)
+        for k, rows in zip(paged.keys, behind):
+            if rows:
+                cache.mark_dirty(k)
+        return
     for k in paged.keys:
         catch_up_block(adam_step.lazy, cache, k, adam_step.number - 1)
 
