@@ -10,12 +10,24 @@ missing; the caller then loads what the child saved, as every later process does
 
 `python -m train.render.cpu.compiled` is that child: it runs every kernel once, with the argument
 types the trainer passes.
+
+numba checks a cached kernel against its own file's timestamp only: a kernel that inlines a
+function from another file (`fastexp`, `ellipse`, `mat3`) kept running the old code after that
+file changed, e.g. after a `git pull`. So the cache is also stamped with a digest of every file
+that defines kernels; a different digest empties it and compiles again.
 """
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
+
+_TRAIN = Path(__file__).resolve().parents[2]
+# Every file that defines a kernel or a function a kernel inlines.
+_SOURCES = (*sorted((_TRAIN / "render" / "cpu").glob("*.py")),
+            *(_TRAIN / f"{m}.py" for m in ("loss_cpu", "losses", "optim", "ssim", "stats")))
+_STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
 # The projection's float64 kernels: fused multiply-adds, reciprocals and reassociation (16% off the
 # projection backward), but not fast-math's "no NaN, no inf", which would let LLVM drop the tests
@@ -35,24 +47,64 @@ def _dispatchers() -> list:
             losses._add_reg_grads]
 
 
+def sources_digest(sources: tuple[Path, ...] = _SOURCES) -> str:
+    h = hashlib.sha256()
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cache_dirs() -> list[Path]:
+    """The folders numba caches the kernels in (`__pycache__` beside their files, or under
+    NUMBA_CACHE_DIR)."""
+    dirs = []
+    for dispatcher in _dispatchers():
+        path = getattr(getattr(dispatcher, "_cache", None), "_cache_path", None)
+        if path is not None and Path(path) not in dirs:
+            dirs.append(Path(path))
+    return dirs
+
+
+def stale(cache_dir: Path, sources: tuple[Path, ...] = _SOURCES) -> bool:
+    """Whether the kernels cached in `cache_dir` were compiled from other sources than these."""
+    stamp = cache_dir / _STAMP
+    return not stamp.is_file() or stamp.read_text().strip() != sources_digest(sources)
+
+
 def cached() -> bool:
-    """Whether every kernel has an index in numba's on-disk cache."""
+    """Whether every kernel has an index in numba's on-disk cache, compiled from these sources."""
     for dispatcher in _dispatchers():
         index = getattr(getattr(getattr(dispatcher, "_cache", None), "_cache_file", None), "_index_path", None)
         if index is not None and not Path(index).is_file():
             return False
-    return True
+    return not any(stale(d) for d in _cache_dirs())
+
+
+def _forget(cache_dir: Path) -> None:
+    """Remove numba's cached kernels of our files from `cache_dir` (not other packages' caches)."""
+    stems = {p.stem for p in _SOURCES}
+    for path in [*cache_dir.glob("*.nbi"), *cache_dir.glob("*.nbc")]:
+        if path.name.split(".", 1)[0] in stems:
+            path.unlink(missing_ok=True)
 
 
 def ensure_compiled() -> None:
-    """Compile the kernels into numba's cache in a child process if they are not there yet (about
-    two minutes, once per checkout); before MPI starts, since MPI processes should not fork."""
+    """Compile the kernels into numba's cache in a child process if they are not there yet, or
+    were compiled from other sources (about two minutes, once per checkout and change); before
+    MPI starts, since MPI processes should not fork."""
     if cached():
         return
     print("compiling the CPU kernels (once per checkout, about two minutes) ...", file=sys.stderr, flush=True)
+    dirs, digest = _cache_dirs(), sources_digest()
+    for d in dirs:
+        if stale(d):
+            _forget(d)
     proc = subprocess.run([sys.executable, "-m", "train.render.cpu.compiled"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-3000:]}")
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / _STAMP).write_text(digest + "\n")
 
 
 def _compile_all() -> None:
