@@ -18,6 +18,7 @@ that defines kernels; a different digest empties it and compiles again.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 _TRAIN = Path(__file__).resolve().parents[2]
 # Every file that defines a kernel or a function a kernel inlines.
-_SOURCES = (*sorted((_TRAIN / "render" / "cpu").glob("*.py")),
+_SOURCES = (*sorted(p for p in (_TRAIN / "render" / "cpu").glob("*.py") if p.name != "compiled.py"),
             *(_TRAIN / f"{m}.py" for m in ("loss_cpu", "losses", "optim", "ssim", "stats")))
 _STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
@@ -94,17 +95,24 @@ def ensure_compiled() -> None:
     MPI starts, since MPI processes should not fork."""
     if cached():
         return
-    print("compiling the CPU kernels (once per checkout, about two minutes) ...", file=sys.stderr, flush=True)
     dirs, digest = _cache_dirs(), sources_digest()
-    for d in dirs:
-        if stale(d):
-            _forget(d)
-    proc = subprocess.run([sys.executable, "-m", "train.render.cpu.compiled"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-3000:]}")
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / _STAMP).write_text(digest + "\n")
+    dirs[0].mkdir(parents=True, exist_ok=True)
+    # mpirun starts every rank at once: one compiles while the others wait, then find it done
+    # (a rank forgetting the cache while another loads it would compile in its own process).
+    with open(dirs[0] / (_STAMP + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached():
+            return
+        print("compiling the CPU kernels (once per checkout, about two minutes) ...", file=sys.stderr, flush=True)
+        for d in dirs:
+            if stale(d):
+                _forget(d)
+        proc = subprocess.run([sys.executable, "-m", "train.render.cpu.compiled"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-3000:]}")
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / _STAMP).write_text(digest + "\n")
 
 
 def _compile_all() -> None:
