@@ -131,7 +131,8 @@ class _Cache:
         self.dirty.append(key)
 
 
-def _update(blocks: dict[str, dict[str, torch.Tensor]], batched: bool, mode_visible: bool):
+def _update(blocks: dict[str, dict[str, torch.Tensor]], batched: bool | None, mode_visible: bool,
+            device: str = "cpu"):
     """One `adam_update` of a batch seen by two cameras; block b2 is seen by neither."""
     keys = list(blocks)
     cached = {k: SimpleNamespace(arrays=lambda make, t=blocks[k]: make(t)) for k in keys}
@@ -139,12 +140,14 @@ def _update(blocks: dict[str, dict[str, torch.Tensor]], batched: bool, mode_visi
     gathered = gather(blocks, keys, requires_grad=True)
     g = torch.Generator().manual_seed(7)
     for p in gathered.params.values():
-        p.grad = torch.randn(p.shape, generator=g)
-    owned = {0: SimpleNamespace(ids=torch.tensor([0, 2, 5, 6]), radii=torch.tensor([[3, 4], [1, 1], [9, 2], [5, 5]])),
-             1: SimpleNamespace(ids=torch.tensor([5, 1]), radii=torch.tensor([[7, 7], [2, 3]]))}
-    back = {i: Back(torch.randn(len(o.ids), 9, generator=g), torch.rand(len(o.ids), generator=g) < 0.7, None)
+        p.grad = torch.randn(p.shape, generator=g).to(device)
+    owned = {0: SimpleNamespace(ids=torch.tensor([0, 2, 5, 6], device=device),
+                                radii=torch.tensor([[3, 4], [1, 1], [9, 2], [5, 5]], device=device)),
+             1: SimpleNamespace(ids=torch.tensor([5, 1], device=device), radii=torch.tensor([[7, 7], [2, 3]], device=device))}
+    back = {i: Back(torch.randn(len(o.ids), 9, generator=g).to(device),
+                    (torch.rand(len(o.ids), generator=g) < 0.7).to(device), None)
             for i, o in owned.items()}
-    contributed = torch.zeros(gathered.offsets[-1], dtype=torch.bool)
+    contributed = torch.zeros(gathered.offsets[-1], dtype=torch.bool, device=device)
     for i, b in back.items():
         contributed[owned[i].ids] |= torch.ones_like(b.contributed) if mode_visible else b.contributed
     projected = Projected(gathered, None, owned, SH_DEGREE)
@@ -220,3 +223,21 @@ def test_dense_catch_up_of_a_batch_equals_the_compiled_one(sizes):
     assert torch.equal(blocks[-1]["means"][-1], before[-1]["means"][-1])
     assert not torch.equal(blocks[0]["means"], before[0]["means"])
     assert lazy.catch_up_batch(blocks, 20) == [0] * len(sizes)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode_visible", [False, True])
+def test_the_update_on_a_gpu_equals_the_host_path(mode_visible):
+    """The trainer's choice on a GPU (`batched` left to the device) against the host path."""
+    sizes = {"b0": 3, "b1": 4, "b2": 5}
+    host = {k: _block(n, seed=20 + i) for i, (k, n) in enumerate(sizes.items())}
+    dev = {k: {n: v.cuda() for n, v in b.items()} for k, b in host.items()}
+    s_host, dirty_host = _update(host, batched=False, mode_visible=mode_visible)
+    s_dev, dirty_dev = _update(dev, batched=None, mode_visible=mode_visible, device="cuda")
+    assert dirty_dev == dirty_host and s_dev.contributed == s_host.contributed
+    np.testing.assert_allclose(np.array(list(s_dev.extents.values())), np.array(list(s_host.extents.values())),
+                               rtol=1e-6)
+    for k in sizes:
+        for name in host[k]:
+            torch.testing.assert_close(dev[k][name].cpu(), host[k][name], rtol=2e-6, atol=1e-7, msg=f"{k} {name}")
