@@ -176,3 +176,23 @@ def test_a_store_plan_needs_its_dataset_and_enough_cameras(wall, tmp_path, capsy
     assert cli.main(["--store", str(damaged), "--data", str(data), "--ranks", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and bad in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_large_store_is_sampled_every_weight_th_row_of_each_block(wall):
+    """Past `max_samples` the store's layout holds rows 0, w, 2w, ... of every block, in Morton
+    order, and nothing else (the samples are copied out block by block)."""
+    from tools.plan.store import store_layout
+    from train.layout import BlockTable
+
+    data, path = wall
+    store = Store.open(path, mode="r")
+    table = BlockTable.from_store(store.table)
+    layout, weight = store_layout(store, 2, [], max_samples=12_000 // 5)
+    assert weight == 5
+    assert layout.counts.tolist() == [-(-int(c) // 5) for c in table.counts]
+    for b in (0, len(table.keys) // 2, len(table.keys) - 1):
+        params = store.read_params(table.keys[b])
+        lo, n = int(layout.starts[b]), int(layout.counts[b])
+        for name in ("means", "scales", "quats", "opacities", "sh0"):
+            assert np.array_equal(layout.splats[name][lo:lo + n].numpy(), params[name][::5]), name
+        assert layout.splats["shN"].shape == (int(layout.counts.sum()), 0, 3)
