@@ -540,11 +540,14 @@ def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[fl
 
 
 def _cache_fields(cache: BlockCache) -> dict:
-    """The cache's counters since the run started, and the process's peak RSS so far."""
+    """The cache's counters since the run started, and the process's peak RSS so far (and on
+    CUDA its peak of allocated device memory: the device tier, the step's tensors, the images)."""
     s = cache.stats
+    gpu = ({"peak_gpu_mib": round(torch.cuda.max_memory_allocated(cache.device) / 2**20, 1)}
+           if cache.device.type == "cuda" else {})
     return {"cache_hit_rate": round(s.hit_rate, 4), "io_wait_s": round(s.io_wait_s, 3), "io_s": round(s.io_s, 3),
             "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), **gpu}
 
 
 def _num_gaussians(store: Store) -> int:
