@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,9 +77,13 @@ class Child:
     max_rss: int  # bytes: peak resident set of the child (and of the descendants it waited for)
 
 
-def run_child(args: Sequence[str | os.PathLike], what: str, env: dict[str, str] | None = None) -> Child:
+def run_child(args: Sequence[str | os.PathLike], what: str, env: dict[str, str] | None = None,
+              timeout: float | None = None) -> Child:
     """Run a command from the repository root; its own rusage comes from wait4, so each child's
-    peak RSS is its own, not the maximum over every child so far (as RUSAGE_CHILDREN would be)."""
+    peak RSS is its own, not the maximum over every child so far (as RUSAGE_CHILDREN would be).
+    `timeout` (seconds): the child is killed past it and the run fails, so a bench with a fixed
+    budget of machine time fails early and says which run overran rather than being cut off."""
+    killed = threading.Event()
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         try:
@@ -86,11 +91,20 @@ def run_child(args: Sequence[str | os.PathLike], what: str, env: dict[str, str] 
                                     env={**os.environ, **(env or {})})
         except OSError as e:
             raise BenchError(f"{what}: cannot start {os.fspath(args[0])}: {e.strerror}") from None
-        _, status, usage = os.wait4(proc.pid, 0)
+        timer = threading.Timer(timeout, lambda: (killed.set(), proc.kill())) if timeout else None
+        if timer is not None:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if timer is not None:
+                timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - start
         err.seek(0)
         stderr = err.read().decode(errors="replace")
+    if killed.is_set():
+        raise BenchError(f"{what} ran past its {timeout:g} s limit and was stopped")
     if proc.returncode != 0:
         lines = [ln for ln in stderr.splitlines() if ln.strip()]
         errors = [ln for ln in lines if "error" in ln.lower()] or lines
@@ -192,10 +206,10 @@ class TrainRun:
 
 
 def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: int = 0,
-          keep_store: bool = False) -> TrainRun:
+          keep_store: bool = False, timeout: float | None = None) -> TrainRun:
     """`python -m train` on a fresh copy of `store` (OUT.zarr, removed afterwards unless
     keep_store), a metrics line every step; ranks > 0: under `mpirun -n ranks`, one thread per
-    rank (also with one rank, so ranks are the only parallelism)."""
+    rank (also with one rank, so ranks are the only parallelism); `timeout`: as `run_child`'s."""
     shutil.rmtree(out, ignore_errors=True)
     work = fresh_copy(store, out.with_name(out.name + ".zarr"))
     args = python_module("train", "--data", data, "--store", work, "--out", out, "--steps", str(steps),
@@ -207,7 +221,7 @@ def train(data: Path, store: Path, out: Path, steps: int, *options: str, ranks: 
     # The copy, and the previous run's commit, are dirty pages the kernel would write back during
     # this run, competing with it for the disk and the two cores: write them out before timing.
     os.sync()
-    child = run_child(args, f"python -m train ({out.name})", env)
+    child = run_child(args, f"python -m train ({out.name})", env, timeout)
     files = [out / "metrics.jsonl"] if ranks <= 1 else [out / f"metrics.rank{r}.jsonl" for r in range(ranks)]
     try:
         summary = json.loads((out / "summary.json").read_text())
