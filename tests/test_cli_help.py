@@ -29,6 +29,7 @@ COMMANDS = [
     ("tools.bench.occlusion", []),
     ("tools.bench.opensplat", []),
     ("tools.bench.scale", []),
+    ("tools.bench.gpu", []),
 ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("render", "store", "tile", "train", "mpi", "densify", "view", "occlusion", "opensplat", "scale")
+BENCHES = ("render", "store", "tile", "train", "mpi", "densify", "view", "occlusion", "opensplat", "scale", "gpu")
 
 
 def main(argv: list[str]) -> int:
