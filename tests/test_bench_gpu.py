@@ -75,13 +75,13 @@ def test_without_cuda_in_process(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps 0: must be at least 1"),
     (["--steps", "x"], "invalid int value"),
-    (["--scenes", "city,paris"], "a comma-separated subset of city,lund"),
-    (["--scenes", ""], "a comma-separated subset of city,lund"),
+    (["--scenes", "city,paris"], "a comma-separated subset of lund,city"),
+    (["--scenes", ""], "a comma-separated subset of lund,city"),
     (["--steps", "50", "--paged-steps", "60"], "--paged-steps 60: at most --steps (50)"),
     (["--warmup", "99"], "--warmup 99: leaves fewer than 2 timed steps"),
     (["--warmup", "-1"], "--warmup -1: must be at least 0"),
     (["--gaussians", "1e12"], "--gaussians 1e+12: between 1e3 and 1e8"),
-    (["--timeout", "0"], "--timeout 0: must be a positive number"),
+    (["--budget", "0"], "--budget 0: must be a positive number"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -91,10 +91,10 @@ def test_bad_arguments_are_clear_errors(argv, message, capsys):
 
 def test_defaults_and_a_short_run():
     a, cfg = bench.parse_args([])
-    assert a.scenes == ["city", "lund"] and a.gaussians == 1e6 and a.data_factor == 2
-    assert (cfg.steps, cfg.paged_steps, cfg.warmup) == (300, 100, 10)
-    a, cfg = bench.parse_args(["--steps", "40", "--scenes", "lund,lund"])
-    assert a.scenes == ["lund"] and cfg.paged_steps == 40  # the paged run never outlasts --steps
+    assert a.scenes == ["lund", "city"] and a.gaussians == 1e6 and a.data_factor == 2
+    assert (cfg.steps, cfg.paged_steps, cfg.warmup) == (300, 40, 10)
+    a, cfg = bench.parse_args(["--steps", "30", "--scenes", "lund,lund"])
+    assert a.scenes == ["lund"] and cfg.paged_steps == 30  # the paged run never outlasts --steps
 
 
 # ---- the reference loop ----
@@ -263,3 +263,9 @@ def test_a_child_past_its_timeout_is_stopped_and_fails_clearly():
     with pytest.raises(BenchError, match=r"sleeper ran past its 0.5 s limit and was stopped"):
         run_child([sys.executable, "-c", "import time; time.sleep(60)"], "sleeper", timeout=0.5)
     assert run_child([sys.executable, "-c", "pass"], "quick", timeout=60).seconds < 60
+
+
+def test_the_budget_is_shared_by_every_child_and_spent_clearly():
+    assert 99 < bench.Deadline(100).left("anything") <= 100
+    with pytest.raises(BenchError, match=r"--budget of 0.5 s was spent before our run on city \(pass fewer"):
+        bench.Deadline(0.5).left("our run on city")

@@ -138,12 +138,12 @@ def copy_dataset(src: Path, out: Path) -> Path:
     return out
 
 
-def tile(src: Path, store: Path, max_per_block: int, *options: str) -> Path:
+def tile(src: Path, store: Path, max_per_block: int, *options: str, timeout: float | None = None) -> Path:
     """A pristine store (made once per work folder), `options` passed on to `tools.tile`; training
-    copies it first (see `fresh_copy`)."""
+    copies it first (see `fresh_copy`); `timeout`: as `run_child`'s."""
     if not store.exists():
         run_child(python_module("tools.tile", src, "--out", store, "--max-per-block", str(max_per_block),
-                                *options, "--no-progress"), f"tools.tile {src.name}")
+                                *options, "--no-progress"), f"tools.tile {src.name}", timeout=timeout)
     return store
 
 
