@@ -21,8 +21,8 @@ read by the trainer's own loader), all settings parsed from one trainer command 
 
 Targets: (2) at least 0.8x the reference's steps per second, and held-out PSNR within 0.05 dB of
 it after the same steps; (3) at most 1.3x the time per step of (2). Peak GPU memory is
-`torch.cuda.max_memory_allocated` (the reference: this process, reset before it loads the scene;
-ours: the trainer's `peak_gpu_mib`). Our seconds per phase are the trainer's `t_*` fields: host
+`torch.cuda.max_memory_allocated` (the reference: this process, reset before it loads the scene,
+its preloaded photos included; ours: the trainer's `peak_gpu_mib`). Our seconds per phase are the trainer's `t_*` fields: host
 wall time, so the kernels a phase queues are charged to whichever phase next waits on the device.
 
 Scenes, in --scenes order: lund, lund_door (COLMAP) at --data-factor 2, tiled from its points
@@ -231,6 +231,8 @@ def reference_train(cfg: TrainConfig, device: torch.device, warmup: int,
 
 @dataclass(frozen=True)
 class BenchScene:
+    """A scene ready to train: its dataset and its tiled store."""
+
     name: str
     data: Path  # the dataset (a writable copy: the trainer caches downscaled photos beside it)
     store: Path  # the pristine tiled store; each trainer run trains a fresh copy
@@ -277,6 +279,8 @@ def lund_scene(work: Path, data_root: Path, data_factor: int, deadline: Deadline
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """What every scene's runs share (the command's flags)."""
+
     steps: int = 300  # training steps of the reference and of ours
     # Steps of the paged run (and of ours it is compared with): a city step in waves pages
     # most of the city twice, and the bench must fit a lent GPU's 15 minutes.
@@ -288,6 +292,8 @@ class BenchConfig:
 
 @dataclass
 class SceneResult:
+    """One scene's three runs and what the report says about the scene."""
+
     scene: BenchScene
     gaussians: int
     blocks: int
