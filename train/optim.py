@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 import numba
 import numpy as np
@@ -253,6 +254,24 @@ class AdamStep:
         return 0 if self.mode == "contributed" else self.number
 
 
+def joined_rows(blocks: list[dict[str, Tensor]], name: str) -> Tensor:  # [M, ...]
+    """Array `name` of the blocks' rows as one tensor: a lone block's own (shared memory), else a copy."""
+    return blocks[0][name] if len(blocks) == 1 else torch.cat([b[name] for b in blocks])
+
+
+def put_back_rows(blocks: list[dict[str, Tensor]], name: str, value: Tensor) -> None:  # value [M, ...]
+    """Write `joined_rows`'s layout back into the blocks: one multi-tensor copy for all of them."""
+    if len(blocks) == 1:
+        blocks[0][name].copy_(value)
+    else:
+        torch._foreach_copy_([b[name] for b in blocks], list(torch.split(value, [len(b[name]) for b in blocks])))
+
+
+def block_of_rows(sizes: list[int], device: torch.device) -> Tensor:  # [M] int64
+    """The index of the block each row of `joined_rows`'s layout comes from."""
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+
+
 class LazyDense:
     """The zero-gradient steps of dense Adam that rows missed while no step used them (module
     docstring), taken when a row is next used: `catch_up(block, done)` brings every row of the
@@ -304,10 +323,9 @@ class LazyDense:
         sizes = [int(b["adam_step"].shape[0]) for b in blocks]
         if not sizes or sum(sizes) == 0:
             return [0] * len(sizes)
-        lone = len(blocks) == 1
-        step = blocks[0]["adam_step"] if lone else torch.cat([b["adam_step"] for b in blocks])  # [M] int32
+        step = joined_rows(blocks, "adam_step")  # [M] int32
         device = step.device
-        of_block = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        of_block = block_of_rows(sizes, device)
         behind = torch.zeros(len(sizes) + 1, dtype=torch.int64, device=device)
         behind[:-1].index_add_(0, of_block, (step < done).to(torch.int64))
         behind[-1] = step.min()
@@ -316,7 +334,7 @@ class LazyDense:
             return per_block
         (b1, b2), eps = self.cfg.betas, self.cfg.eps
         names = [x for i in (0, 6, 12) for x in _UPDATED[i : i + 6]]
-        joined = {x: (blocks[0][x] if lone else torch.cat([b[x] for b in blocks])) for x in names}
+        joined = {x: joined_rows(blocks, x) for x in names}
         flat = {x: t.reshape(len(step), -1) for x, t in joined.items()}
         for s in range(first + 1, done + 1):
             moving = (step < s)[:, None]  # [M, 1] the rows that missed step s
@@ -331,14 +349,8 @@ class LazyDense:
                 flat[f"exp_avg_{name}"] = torch.where(moving, m_new, m)
                 flat[f"exp_avg_sq_{name}"] = torch.where(moving, v_new, v)
         for x in names:
-            value = flat[x].view(joined[x].shape)
-            if lone:
-                blocks[0][x].copy_(value)
-            else:
-                torch._foreach_copy_([b[x] for b in blocks], list(torch.split(value, sizes)))
-        step.clamp_(min=done)
-        if not lone:
-            torch._foreach_copy_([b["adam_step"] for b in blocks], list(torch.split(step, sizes)))
+            put_back_rows(blocks, x, flat[x].view(joined[x].shape))
+        put_back_rows(blocks, "adam_step", step.clamp_(min=done))
         return per_block
 
 
@@ -360,17 +372,8 @@ def adam_batch(
     sizes = [int(b["means"].shape[0]) for b in blocks]
     if not sizes or sum(sizes) == 0:
         return
-    lone = len(blocks) == 1
-
-    def joined(name: str) -> Tensor:
-        return blocks[0][name] if lone else torch.cat([b[name] for b in blocks])
-
-    def put_back(name: str, value: Tensor) -> None:
-        if lone:
-            blocks[0][name].copy_(value)
-        else:
-            torch._foreach_copy_([b[name] for b in blocks], list(torch.split(value, sizes)))
-
+    joined = partial(joined_rows, blocks)
+    put_back = partial(put_back_rows, blocks)
     (b1, b2), eps = cfg.betas, cfg.eps
     step = joined("adam_step") + mask.to(torch.int32)  # [M]
     put_back("adam_step", step)

@@ -30,7 +30,7 @@ from storage.schema import PARAM_NAMES
 from train.camera import Camera
 from train.exchange import Exchange, Incoming
 from train.losses import SSIM_LAMBDA, Regularizers, training_loss
-from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, adam_batch, numpy_arrays
+from train.optim import AdamConfig, AdamStep, LazyDense, SparseAdam, adam_batch, block_of_rows, numpy_arrays
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
@@ -175,8 +175,7 @@ def _extent_boxes_device(blocks: dict[str, dict[str, Tensor]]) -> Tensor:  # [B,
     means, scales = (_joined([t[name].detach() for t in blocks.values()]) for name in ("means", "scales"))
     r = (EXTENT_SIGMA * torch.exp(scales.amax(dim=1).to(torch.float64)))[:, None]  # [N, 1]
     means = means.to(torch.float64)
-    sizes = torch.tensor([len(t["means"]) for t in blocks.values()], device=means.device)
-    rows = torch.repeat_interleave(torch.arange(len(blocks), device=means.device), sizes)[:, None].expand(-1, 3)
+    rows = block_of_rows([len(t["means"]) for t in blocks.values()], means.device)[:, None].expand(-1, 3)
     boxes = torch.empty(len(blocks), 6, dtype=torch.float64, device=means.device)
     boxes[:, :3] = math.inf
     boxes[:, 3:] = -math.inf
@@ -462,7 +461,7 @@ def adam_update_batched(
         torch._foreach_add_([b[name] for b in blocks], list(torch.split(values, sizes)))
     torch._foreach_maximum_([b["max_radii"] for b in blocks], list(torch.split(acc.max_radii, sizes)))
     seen = acc.count > 0  # [N]
-    of_block = torch.repeat_interleave(torch.arange(len(blocks), device=device), torch.tensor(sizes, device=device))
+    of_block = block_of_rows(sizes, device)
     per_block = torch.zeros(2, len(blocks), dtype=torch.int64, device=device)
     per_block.index_add_(1, of_block, torch.stack([bp.contributed, seen]).to(torch.int64))
     changed = []
