@@ -343,6 +343,22 @@ class BlockCache:
         return self._tiers[0].budget
 
     @property
+    def host_budget(self) -> int:
+        """Bytes the tier in host memory may hold (the only tier on CPU; the pinned tier behind a GPU)."""
+        return self._tiers[-1].budget
+
+    def set_host_budget(self, nbytes: int) -> None:
+        """Change the host tier's budget, between steps (`train.memory`: a ceiling on the process's
+        resident memory). A lower one evicts least recently used unpinned blocks down to it now."""
+        if nbytes <= 0:
+            raise ValueError(f"budget must be positive, got {nbytes}")
+        self._harvest_writes()
+        tier = self._tiers[-1]
+        tier.budget = nbytes
+        if tier.free < 0:
+            self._make_room(tier, 0, "a lower budget", demand=False)
+
+    @property
     def row_bytes(self) -> int:
         """Bytes one Gaussian of a block takes in this cache."""
         return self._bytes_per_row

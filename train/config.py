@@ -71,6 +71,7 @@ class TrainConfig:
     sh_degree: int | None = None  # highest SH degree to train (default: the store's)
     sh_degree_interval: int = 1000  # the SH degree used grows by one every this many steps
     cache_mb: float | None = None  # each rank's memory budget in MiB: its cached blocks and the step's working memory (gathered rows, gradients, projections, 2D splats); a view larger than it is paged in waves (default: a quarter of available memory)
+    memory_mb: float | None = None  # each rank's ceiling on its resident memory in MiB (Linux): the process's memory beyond --cache-mb (libraries, heap fragmentation, the rasterizer's lists), measured by the kernel each step, lowers the cache's budget so that the peak stays under it; never below half of --cache-mb (default: no ceiling)
     device: str = "auto"  # cpu | cuda | auto (cuda when available)
     data_factor: int = 1  # image downscale factor
     image_memory_mb: float = 256.0  # decoded training images kept in memory (MiB, least recently used dropped first; not part of --cache-mb), so each is decoded once and not every epoch; 0 keeps none
@@ -106,6 +107,8 @@ class TrainConfig:
             raise ConfigError(f"--sh-degree {self.sh_degree}: must be in [0, {MAX_SH_DEGREE}]")
         if self.cache_mb is not None and not (math.isfinite(self.cache_mb) and self.cache_mb > 0):
             raise ConfigError(f"--cache-mb {self.cache_mb}: must be a positive number")
+        if self.memory_mb is not None and not (math.isfinite(self.memory_mb) and self.memory_mb > 0):
+            raise ConfigError(f"--memory-mb {self.memory_mb}: must be a positive number")
         if not (math.isfinite(self.image_memory_mb) and self.image_memory_mb >= 0):
             raise ConfigError(f"--image-memory-mb {self.image_memory_mb}: must be a finite number >= 0")
         if self.adam not in ADAM_MODES:

@@ -8,7 +8,8 @@ import signal
 import sys
 import time
 import warnings
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, tensorboard_missing, write_config
 from train.losses import Regularizers
 from train.lpips import load_lpips
+from train.memory import MemoryCeiling, MemoryCeilingError, check_supported
 from train.occlusion import OcclusionCuller
 from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
@@ -206,7 +208,14 @@ class Trainer:
         self._set_regions(store.table)
         check_overlap(Region.from_table(store.table), scene, store, cfg)
         self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
+        if cfg.memory_mb is not None:
+            try:
+                check_supported()
+            except MemoryCeilingError as e:
+                raise TrainError(str(e)) from e
         self.cache = BlockCache(store, self.budget, self.device)
+        self.ceiling = (None if cfg.memory_mb is None else
+                        MemoryCeiling(int(cfg.memory_mb * 2**20), self.cache.host_budget, self.cache.set_host_budget))
         self.background = torch.tensor(cfg.background, dtype=torch.float32, device=self.device)
         self.adam = cfg.optim.adam().for_batch(cfg.batch_size * self.size)
         self.log = RunLog(self.out, self.rank, self.size, cfg.tensorboard)
@@ -405,24 +414,42 @@ class Trainer:
                 if step < self.end:
                     self.plan(step)
                 while step < self.end and not exchange.any(stop.set):
-                    stats, seconds = self.train(step)
-                    if self.densifier.due(step):
-                        self.refine(step)
-                    step += 1
-                    self._log_step(step, stats, seconds)
-                    self._count_skipped(step, stats.skipped)
-                    if step % cfg.commit_every == 0 and step < self.end and self.store.state.get("step") != step:
+                    with self._phase():
+                        stats, seconds = self.train(step)
+                        if self.densifier.due(step):
+                            self.refine(step)
+                        step += 1
+                        self._log_step(step, stats, seconds)
+                        self._count_skipped(step, stats.skipped)
+                        if step % cfg.commit_every == 0 and step < self.end and self.store.state.get("step") != step:
+                            self.commit(step)
+                        if cfg.eval_every and step % cfg.eval_every == 0 and step < self.end:
+                            self.evaluate(step)
+                with self._phase():
+                    if self.catch_up_all(step) or self.store.state.get("step") != step:
                         self.commit(step)
-                    if cfg.eval_every and step % cfg.eval_every == 0 and step < self.end:
-                        self.evaluate(step)
-                if self.catch_up_all(step) or self.store.state.get("step") != step:
-                    self.commit(step)
-            metrics = self.evaluate(step)
+                    metrics = self.evaluate(step)
         except CacheBudgetError as e:
             raise TrainError(f"--cache-mb {self.budget / 2**20:.2f} is too small for one step: {e}") from e
         finally:
             self.close()
         return self._summary(step, time.time() - t_start, metrics)
+
+    @contextmanager
+    def _phase(self) -> Iterator[None]:
+        """One step with what follows it, or the final commit and evaluation: with --memory-mb, the
+        ceiling measures its peak and sets the cache's budget for the next."""
+        if self.ceiling is None:
+            yield
+            return
+        floored = self.ceiling.floored
+        with self.ceiling.phase():
+            yield
+        if self.ceiling.floored and not floored:
+            self.bar.write(f"warning: rank {self.rank} peaked at {self.ceiling.excess / 2**20:.0f} MiB over its cache "
+                           f"budget, so --memory-mb {self.cfg.memory_mb:g} would leave the cache less than half of "
+                           f"--cache-mb; it keeps half ({self.ceiling.budget / 2**20:.0f} MiB) and the ceiling is "
+                           "not kept", file=sys.stderr)
 
     def _count_skipped(self, step: int, skipped: bool) -> None:
         """A skipped step changes nothing; a run of them means training has broken down."""
@@ -451,7 +478,8 @@ class Trainer:
                            **{f"t_{phase}": round(t, 5) for phase, t in stats.timings.items()},
                            **{f"cpu_{phase}": round(t, 5) for phase, t in stats.cpu.items()},
                            bytes_sent=exchange.bytes_sent - self._sent0,
-                           bytes_received=exchange.bytes_received - self._received0, **_cache_fields(cache),
+                           bytes_received=exchange.bytes_received - self._received0,
+                           **_cache_fields(cache, self.ceiling),
                            **stats.occlusion)
             self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
         self.bar.update(1)
@@ -472,7 +500,7 @@ class Trainer:
             "test_ssim": metrics.get("ssim"),
             "test_lpips": metrics.get("lpips"),
             **({"lpips_skipped": self._lpips[1]} if self._lpips and self._lpips[1] else {}),
-            **_cache_fields(self.cache),
+            **_cache_fields(self.cache, self.ceiling),
             "store": str(self.cfg.store),
             "out": str(self.out),
         }
@@ -539,15 +567,20 @@ def _imbalance(exchange: Exchange, stats: StepStats, seconds: float) -> tuple[fl
     return float(ratios[0]), float(ratios[1])
 
 
-def _cache_fields(cache: BlockCache) -> dict:
+def _cache_fields(cache: BlockCache, ceiling: MemoryCeiling | None = None) -> dict:
     """The cache's counters since the run started, and the process's peak RSS so far (and on
-    CUDA its peak of allocated device memory: the device tier, the step's tensors, the images)."""
+    CUDA its peak of allocated device memory: the device tier, the step's tensors, the images);
+    under a --memory-mb ceiling, which keeps the peak itself, the host budget in force too."""
     s = cache.stats
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if ceiling is None  # Linux reports KiB
+            else ceiling.current_peak())
+    budget = ({} if ceiling is None else
+              {"budget_mib": round(ceiling.budget / 2**20, 1), "excess_mib": round(ceiling.excess / 2**20, 1)})
     gpu = ({"peak_gpu_mib": round(torch.cuda.max_memory_allocated(cache.device) / 2**20, 1)}
            if cache.device.type == "cuda" else {})
     return {"cache_hit_rate": round(s.hit_rate, 4), "io_wait_s": round(s.io_wait_s, 3), "io_s": round(s.io_s, 3),
             "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), **gpu}
+            "peak_rss_mib": round(peak / 2**20, 1), **gpu, **budget}
 
 
 def _num_gaussians(store: Store) -> int:

@@ -24,7 +24,8 @@ from tools.bench.train import (BenchError, TrainRun, python_module, run_child, s
                                warm_images)
 from tools.scenes import SceneConfig
 from tools.scenes.city import CAPTURES
-from train.config import OptimConfig
+from train.config import OptimConfig, TrainConfig
+from train.optim import ADAM_MODES
 from train.cli import HelpFormatter
 
 MiB = 2**20
@@ -56,11 +57,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of the ground truth in the point cloud the store is tiled from")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks")
     p.add_argument("--cache-mb", type=float, default=1500.0, help="each rank's block cache")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="each rank's resident-memory ceiling, the trainer's --memory-mb (default: --cache-mb + 1024, "
+                   "the bound the run is held to; 0: none)")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--strategy", choices=("none", "default", "mcmc"), default="none", help="densification")
     p.add_argument("--opacities-lr", type=float, default=OptimConfig.opacities_lr,
                    help="the trainer's --opacities-lr: a short run over a large city sees each Gaussian a few "
                    "dozen times, and Adam moves an opacity logit by about this much each time")
+    p.add_argument("--adam", choices=ADAM_MODES, default=TrainConfig.adam,
+                   help="the trainer's --adam: which Gaussians a step's Adam moves, and how their bias is corrected")
     p.add_argument("--max-per-block", type=int, default=32768, help="the tiler's leaf capacity")
     p.add_argument("--work", type=Path, help="keep the cities, stores and runs here (default: a temporary folder)")
     return p
@@ -72,20 +78,24 @@ def _per_step(run: TrainRun, name: str) -> np.ndarray:  # [R, steps] from a coun
 
 
 def _report(share: float, gaussians: int, state: int, cache_mb: float, ranks: int, base: dict, run: TrainRun,
-            strategy: str, opacities_lr: float) -> None:
+            strategy: str, opacities_lr: float, memory_mb: float, adam: str) -> None:
     job_cache = cache_mb * MiB * ranks
     print(f"\n{share:g} of the city: {gaussians:,} Gaussians, state {state / 2**30:.2f} GiB = "
           f"{state / job_cache:.1f}x the job's cache ({ranks} x {cache_mb:g} MiB); densification "
-          f"{'off' if strategy == 'none' else strategy}; --opacities-lr {opacities_lr:g}; {run.summary['steps']} steps in "
+          f"{'off' if strategy == 'none' else strategy}; --adam {adam}; --opacities-lr {opacities_lr:g}; "
+          f"--memory-mb {f'{memory_mb:g}' if memory_mb else 'none'}; {run.summary['steps']} steps in "
           f"{run.seconds:.0f} s")
     print(f"  held-out PSNR {base['test_psnr']:.3f} dB at the start -> {run.summary['test_psnr']:.3f} dB "
           f"({run.summary['test_psnr'] - base['test_psnr']:+.3f})")
+    print(f"  rank 0's peak RSS with the final evaluation: {run.summary['peak_rss_mib']:,.0f} MiB "
+          f"({run.summary['peak_rss_mib'] - cache_mb:+,.0f} over the cache)")
     seconds = np.diff(np.array([r["time"] for r in run.ranks[0]]))
     print(f"  seconds per step (rank 0's loop, first step left out): mean {seconds.mean():.3f}, "
           f"median {np.median(seconds):.3f}")
     read, written, waves = _per_step(run, "bytes_read"), _per_step(run, "bytes_written"), run.column("waves", 0)
     print(f"  {'rank':>4s} {'peak RSS MiB':>12s} {'over cache':>10s} {'hit rate':>8s} {'read MB/step':>12s} "
-          f"{'written MB/step':>15s} {'I/O hidden':>10s} {'steps in waves':>14s} {'waves/step':>10s}")
+          f"{'written MB/step':>15s} {'I/O hidden':>10s} {'steps in waves':>14s} {'waves/step':>10s} "
+          f"{'budget MiB at end':>17s}")
     for r, lines in enumerate(run.ranks):
         last = lines[-1]
         rss = max(line["peak_rss_mib"] for line in lines)
@@ -93,7 +103,7 @@ def _report(share: float, gaussians: int, state: int, cache_mb: float, ranks: in
         in_waves = waves[r] > 0
         print(f"  {r:4d} {rss:12.0f} {rss - cache_mb:10.0f} {last['cache_hit_rate']:8.3f} {read[r].mean() / 1e6:12.1f} "
               f"{written[r].mean() / 1e6:15.1f} {hidden:10.1%} {int(in_waves.sum()):14d} "
-              f"{waves[r][in_waves].mean() if in_waves.any() else 0:10.2f}")
+              f"{waves[r][in_waves].mean() if in_waves.any() else 0:10.2f} {last.get('budget_mib', cache_mb):17.0f}")
 
 
 def main(argv: list[str]) -> int:
@@ -106,6 +116,10 @@ def main(argv: list[str]) -> int:
         p.error(f"--gaussians {a.gaussians:g}: between 1e3 and 1e10")
     if a.cache_mb <= 0:
         p.error(f"--cache-mb {a.cache_mb:g}: must be positive")
+    if a.memory_mb is None:
+        a.memory_mb = a.cache_mb + 1024
+    if not (np.isfinite(a.memory_mb) and a.memory_mb >= 0):
+        p.error(f"--memory-mb {a.memory_mb:g}: must be a number >= 0")
     if not (np.isfinite(a.opacities_lr) and a.opacities_lr > 0):
         p.error(f"--opacities-lr {a.opacities_lr:g}: must be a positive number")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share them)")
@@ -125,13 +139,14 @@ def main(argv: list[str]) -> int:
                 size = store_size(store)
                 warm_images(data, 1)
                 flags = ["--cache-mb", f"{a.cache_mb:g}", "--strategy", a.strategy, "--data-factor", "1",
-                         "--opacities-lr", f"{a.opacities_lr:g}"]
+                         "--opacities-lr", f"{a.opacities_lr:g}", "--adam", a.adam,
+                         *(["--memory-mb", f"{a.memory_mb:g}"] if a.memory_mb else [])]
                 base = train(data, store, work / f"base-{n:g}", 0, *flags, ranks=a.ranks).summary
                 run = train(data, store, work / f"run-{n:g}", a.steps, *flags, ranks=a.ranks)
             except (BenchError, OSError, ValueError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             _report(share, size.gaussians, size.nbytes, a.cache_mb, a.ranks, base, run, a.strategy,
-                    a.opacities_lr)
+                    a.opacities_lr, a.memory_mb, a.adam)
     print(f"\nload average {os.getloadavg()[0]:.1f}")
     return 0
