@@ -301,6 +301,34 @@ def test_training_with_culling_equals_training_without(walled, tmp_path, monkeyp
         assert m["occ_kept_gaussians"] < m["occ_frustum_gaussians"]
 
 
+def test_held_out_views_with_culling_are_the_views_without(walled, tmp_path, monkeypatch):
+    """Evaluation culls as the steps do: the same PSNR, SSIM and rendered images, bit for bit, and
+    the blocks behind the wall are read neither by the steps nor by the evaluation."""
+    reads: dict[str, list[str]] = {"off": [], "on": []}
+    original = Store.read_block
+    mode = ["off"]
+
+    def counting(self, key, info=None):
+        reads[mode[0]].append(key)
+        return original(self, key, info)
+
+    monkeypatch.setattr(Store, "read_block", counting)
+    results = {}
+    for mode[0] in ("off", "on"):
+        store = _copy(walled.store, tmp_path, f"{mode[0]}.zarr")
+        results[mode[0]] = run(_walled_config(walled.data, store, tmp_path / mode[0], occlusion=mode[0], steps=2,
+                                              test_every=2))
+    off, on = results["off"], results["on"]
+    assert on["test_psnr"] == off["test_psnr"] and on["test_ssim"] == off["test_ssim"]
+    renders = {m: sorted((tmp_path / m / "renders" / "step_000002").glob("*.png")) for m in results}
+    assert len(renders["on"]) == 4 and [p.name for p in renders["on"]] == [p.name for p in renders["off"]]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(renders["on"], renders["off"]))
+    evals = [json.loads(l) for l in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    assert evals[-1]["occ_kept_gaussians"] < evals[-1]["occ_frustum_gaussians"]
+    hidden = blocks_within(Store.open(walled.store, mode="r").table, HIDDEN[0])
+    assert hidden and not set(hidden) & set(reads["on"]) and set(hidden) <= set(reads["off"])
+
+
 def test_lund_door_with_culling_equals_without(shared_data, lund_store, tmp_path):
     """A real capture, tiled from its SfM points (opacity 0.1): no pixel saturates, so nothing is
     culled (`docs/benchmarks.md`); this runs the whole on path (pass, prefetch, paging, metrics)
@@ -386,6 +414,11 @@ def test_culling_under_mpi_is_the_single_process_culling(walled, tmp_path):
     _mpi_train(1, walled, off, tmp_path / "off", "--occlusion", "off", "--strategy", "none")
     _mpi_train(4, walled, on, tmp_path / "on4", "--occlusion", "on", "--strategy", "none")
     _assert_same_but_statistics(_arrays(off), _arrays(on), set())
+    # the held-out view, culled by the ranks' rounds, is the one process's unculled view
+    held_out = {d: json.loads((tmp_path / d / "summary.json").read_text())["test_psnr"] for d in ("off", "on4")}
+    assert held_out["on4"] == held_out["off"], held_out
+    culled = [json.loads(l) for l in (tmp_path / "on4" / "metrics.rank0.jsonl").read_text().splitlines() if '"eval"' in l]
+    assert culled[-1]["occ_kept_gaussians"] < culled[-1]["occ_frustum_gaussians"]
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install mpich)")

@@ -721,10 +721,12 @@ def render_cameras(
     background: Tensor,  # [3]
     backend: str = "cpu",
     prepare: Callable[[str], None] | None = None,  # called on each block before it is read (dense Adam's catch-up)
+    visible: list[list[str]] | None = None,  # each camera's owned blocks to draw (default: its frustum's)
 ) -> dict[int, RasterOutput]:  # camera index -> image and its splats, for the cameras this rank renders
     """Forward only (evaluation, viewer): the same culling, projection and exchange as training."""
     rank, n_cams = exchange.rank, len(cameras)
-    visible = [region.visible(c) for c in cameras]
+    if visible is None:
+        visible = [region.visible(c) for c in cameras]
     out: dict[int, RasterOutput] = {}
     for i, cam in enumerate(cameras):
         keys = visible[i]

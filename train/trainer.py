@@ -386,7 +386,14 @@ class Trainer:
                 self.bar.write(self._lpips[1], file=sys.stderr)
         return evaluate(self.scene.test, self.scene.data.load_image, step, self.region, self.cache, self.exchange,
                         self.sh_degree, self.background, self.backend, self.out, self.log, self.cfg.max_eval_images,
-                        lambda key: self.catch_up(key, step), self._lpips[0])
+                        lambda key: self.catch_up(key, step), self._lpips[0],
+                        None if self.occlusion is None else self._cull_held_out)
+
+    def _cull_held_out(self, cams: list[Camera], cam_rank: list[int]) -> tuple[list[list[str]], int, int]:
+        """Evaluation's culling (`train.eval.Cull`): the pass the steps run, at the full SH degree."""
+        culls, report = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache, self.exchange,
+                                            self.sh_degree, self.background, self.backend)
+        return [c.kept for c in culls], report.frustum_gaussians, report.kept_gaussians
 
     def catch_up(self, key: str, done: int) -> int:
         """Dense Adam: the owned block `key`'s rows take the steps they missed, up to `done`;
