@@ -401,13 +401,18 @@ def test_culling_under_mpi_is_the_single_process_culling(walled, tmp_path):
     start = sum(i.count for i in Store.open(walled.store, mode="r").table.values())
     assert sum(i.count for i in ref.table.values()) == refines[-1]["gaussians"] > start
     sent = {}
+    culled = sum(f["occ_frustum_gaussians"] - f["occ_kept_gaussians"] for f in figures[1].values())
+    assert sum(f["occ_gaussians_not_sent"] for f in figures[1].values()) == 0  # one rank sends nothing
     for n in (2, 4):
         other = Store.open(stores[n], mode="r")
         assert rank_free_state(other.state) == rank_free_state(ref.state)
         assert_same_blocks(ref, other, f"{n} ranks")
         assert figures[n].keys() == figures[1].keys() == set(range(1, 9))
         sent[n] = sum(f.pop("occ_bytes_sent") for f in figures[n].values())
-        assert figures[n] == {s: {k: v for k, v in f.items() if k != "occ_bytes_sent"} for s, f in figures[1].items()}
+        # the culled Gaussians that another rank than the camera's owns: never projected for it, never sent
+        assert 0 < sum(f.pop("occ_gaussians_not_sent") for f in figures[n].values()) < culled
+        assert figures[n] == {s: {k: v for k, v in f.items() if k not in ("occ_bytes_sent", "occ_gaussians_not_sent")}
+                              for s, f in figures[1].items()}
     assert all(f["occ_kept_gaussians"] < f["occ_frustum_gaussians"] for f in figures[1].values())
     assert 0 < sent[2] < sent[4]  # the waves' splats crossed ranks, more of them on more ranks
     off, on = _copy(walled.store, tmp_path, "off.zarr"), _copy(walled.store, tmp_path, "on4.zarr")

@@ -135,6 +135,7 @@ class OcclusionReport:
     waves: int = 0
     wave_blocks: int = 0
     bytes_sent: int = 0  # splats the pass's rounds sent to other ranks
+    gaussians_not_sent: int = 0  # of owned blocks dropped for cameras other ranks render: not projected, so not sent
 
     def fields(self) -> dict[str, int]:
         return {f"occ_{k}": v for k, v in vars(self).items()}
@@ -275,12 +276,15 @@ class OcclusionCuller:
             self.last[cam.name] = [world.keys[j] for j in sorted(p.order[p.alive].tolist())]  # world rows: Morton order
             culls.append(CameraCull(owned.union([self.last[cam.name]]), owned.union([[world.keys[j] for j in p.order]]),
                                     p.waves if cam_rank[i] == rank else 0, wave_blocks[i]))
-        return culls, self._report(culls, owned, exchange.bytes_sent - sent)
+        remote = [r != rank for r in cam_rank]
+        return culls, self._report(culls, remote, owned, exchange.bytes_sent - sent)
 
-    def _report(self, culls: list[CameraCull], owned: Region, sent: int) -> OcclusionReport:
+    def _report(self, culls: list[CameraCull], remote: list[bool], owned: Region, sent: int) -> OcclusionReport:
         counts = dict(zip(owned.keys, owned.counts.tolist()))
         report = OcclusionReport(bytes_sent=sent)
-        for c in culls:
+        for c, elsewhere in zip(culls, remote):
+            if elsewhere:
+                report.gaussians_not_sent += sum(counts[k] for k in c.frustum) - sum(counts[k] for k in c.kept)
             report.frustum_blocks += len(c.frustum)
             report.frustum_gaussians += sum(counts[k] for k in c.frustum)
             report.kept_blocks += len(c.kept)
