@@ -24,7 +24,7 @@ from tools.bench.train import (BenchError, TrainRun, python_module, run_child, s
                                warm_images)
 from tools.scenes import SceneConfig
 from tools.scenes.city import CAPTURES
-from train.config import OptimConfig, TrainConfig
+from train.config import OptimConfig
 from train.optim import ADAM_MODES
 from train.cli import HelpFormatter
 
@@ -62,11 +62,14 @@ def _parser() -> argparse.ArgumentParser:
                    "the bound the run is held to; 0: none)")
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--strategy", choices=("none", "default", "mcmc"), default="none", help="densification")
-    p.add_argument("--opacities-lr", type=float, default=OptimConfig.opacities_lr,
-                   help="the trainer's --opacities-lr: a short run over a large city sees each Gaussian a few "
-                   "dozen times, and Adam moves an opacity logit by about this much each time")
-    p.add_argument("--adam", choices=ADAM_MODES, default=TrainConfig.adam,
-                   help="the trainer's --adam: which Gaussians a step's Adam moves, and how their bias is corrected")
+    p.add_argument("--opacities-lr", type=float, default=0.2,
+                   help="the trainer's --opacities-lr: a run over a large city sees each Gaussian a few dozen "
+                   "times, and per-row Adam moves an opacity logit by about this much each time (the trainer's "
+                   f"default is {OptimConfig.opacities_lr:g}; here %(default)s)")
+    p.add_argument("--adam", choices=ADAM_MODES, default="contributed",
+                   help="the trainer's --adam (its default is visible, corrected by the training step, whose "
+                   "steps grow through a run for Gaussians a view rarely sees; contributed corrects each row "
+                   "by its own count; here %(default)s)")
     p.add_argument("--max-per-block", type=int, default=32768, help="the tiler's leaf capacity")
     p.add_argument("--work", type=Path, help="keep the cities, stores and runs here (default: a temporary folder)")
     return p
