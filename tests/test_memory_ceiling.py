@@ -19,7 +19,7 @@ from storage.schema import bytes_per_gaussian
 from tests.helpers.layout import assert_same_blocks
 from tests.helpers.store_data import random_block
 from train.config import ConfigError, TrainConfig
-from train.memory import FLOOR, MARGIN, MemoryCeiling, read_hwm, reset_hwm
+from train.memory import FLOOR, MARGIN, MemoryCeiling, check_supported, read_hwm, reset_hwm
 from train.region import Region
 from train.trainer import load_cameras, run
 
@@ -45,7 +45,8 @@ class _Kernel:
 def _ceiling(ceiling_mib: float, budget_mib: float, peaks_mib: list[float]):
     kernel = _Kernel([0] + [int(p * MiB) for p in peaks_mib])
     budgets: list[int] = []
-    c = MemoryCeiling(int(ceiling_mib * MiB), int(budget_mib * MiB), budgets.append, kernel.hwm, kernel.reset)
+    c = MemoryCeiling(int(ceiling_mib * MiB), int(budget_mib * MiB), budgets.append,
+                      hwm=kernel.hwm, reset=kernel.reset)
     return c, budgets
 
 
@@ -95,7 +96,7 @@ def test_the_kernel_high_water_mark_resets_and_rises():
     fresh.write(b"\1" * (64 * MiB))
     assert read_hwm() >= before + 60 * MiB
     fresh.close()
-    reset_hwm()
+    assert check_supported() >= before + 60 * MiB  # the peak it read before resetting the mark
     assert read_hwm() < before + 60 * MiB
 
 

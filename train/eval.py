@@ -52,7 +52,7 @@ def evaluate(
         cameras = cameras[:max_images]
     if not cameras:
         return {}
-    size, rank = exchange.size, exchange.rank
+    size = exchange.size
     sums = torch.zeros(6, dtype=torch.float64)  # PSNR, SSIM, LPIPS, views, frustum and kept Gaussians
     for first in range(0, len(cameras), size):
         group = cameras[first:first + size]
@@ -71,7 +71,7 @@ def evaluate(
             path.parent.mkdir(parents=True, exist_ok=True)
             Image.fromarray(pair).save(path)
             log.image(f"held-out/{name}", step, pair)
-        del rendered
+        del rendered  # before the next round renders: one round's views held at a time
     total = exchange.sum(sums)
     metrics = {"psnr": float(total[0] / total[3]), "ssim": float(total[1] / total[3]),
                **({"lpips": float(total[2] / total[3])} if lpips is not None else {}), "views": int(total[3]),

@@ -43,12 +43,14 @@ def reset_hwm() -> None:
     _CLEAR_REFS.write_text("5")
 
 
-def check_supported() -> None:
-    """Raises MemoryCeilingError where the kernel gives no resettable high-water mark (not Linux,
-    or /proc read-only)."""
+def check_supported() -> int:
+    """The process's peak resident bytes so far, read before this check resets the mark; raises
+    MemoryCeilingError where the kernel gives no resettable high-water mark (not Linux, or /proc
+    read-only)."""
     try:
-        read_hwm()
+        peak = read_hwm()
         reset_hwm()
+        return peak
     except OSError as e:
         raise MemoryCeilingError(
             f"--memory-mb needs Linux's resettable peak RSS ({_CLEAR_REFS}, {_STATUS}): {e}") from e
@@ -57,9 +59,10 @@ def check_supported() -> None:
 class MemoryCeiling:
     """Holds a rank's peak RSS at `ceiling` bytes by setting its cache's budget (`set_budget`,
     called between phases) to at most `budget` (the configured one) and at least FLOOR of it.
-    `hwm`/`reset`: the kernel's high-water mark (injectable, for tests)."""
+    `peak`: the process's peak before the mark was last reset (`check_supported`'s), else
+    getrusage's; `hwm`/`reset`: the kernel's high-water mark (injectable, for tests)."""
 
-    def __init__(self, ceiling: int, budget: int, set_budget: Callable[[int], None],
+    def __init__(self, ceiling: int, budget: int, set_budget: Callable[[int], None], peak: int = 0,
                  hwm: Callable[[], int] = read_hwm, reset: Callable[[], None] = reset_hwm) -> None:
         if ceiling <= 0 or budget <= 0:
             raise ValueError(f"ceiling {ceiling} and budget {budget} must be positive")
@@ -67,7 +70,7 @@ class MemoryCeiling:
         self._set_budget, self._hwm, self._reset = set_budget, hwm, reset
         self.budget = budget  # in force now
         self.excess = 0  # the largest peak-over-budget seen (bytes)
-        self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        self.peak_bytes = max(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
         self.floored = False  # the floor held the budget up: the ceiling could not be kept
 
     @contextlib.contextmanager

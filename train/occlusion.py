@@ -283,12 +283,12 @@ class OcclusionCuller:
         counts = dict(zip(owned.keys, owned.counts.tolist()))
         report = OcclusionReport(bytes_sent=sent)
         for c, elsewhere in zip(culls, remote):
-            if elsewhere:
-                report.gaussians_not_sent += sum(counts[k] for k in c.frustum) - sum(counts[k] for k in c.kept)
+            frustum, kept = sum(counts[k] for k in c.frustum), sum(counts[k] for k in c.kept)
+            report.gaussians_not_sent += (frustum - kept) if elsewhere else 0
             report.frustum_blocks += len(c.frustum)
-            report.frustum_gaussians += sum(counts[k] for k in c.frustum)
+            report.frustum_gaussians += frustum
             report.kept_blocks += len(c.kept)
-            report.kept_gaussians += sum(counts[k] for k in c.kept)
+            report.kept_gaussians += kept
             report.waves += c.waves
             report.wave_blocks += c.wave_blocks
         unread = set().union(*(c.frustum for c in culls)) - set().union(*(c.kept for c in culls))

@@ -208,14 +208,16 @@ class Trainer:
         self._set_regions(store.table)
         check_overlap(Region.from_table(store.table), scene, store, cfg)
         self.budget = int(cfg.cache_mb * 2**20) if cfg.cache_mb else default_cache_bytes()
+        start_peak = 0
         if cfg.memory_mb is not None:
             try:
-                check_supported()
+                start_peak = check_supported()
             except MemoryCeilingError as e:
                 raise TrainError(str(e)) from e
         self.cache = BlockCache(store, self.budget, self.device)
         self.ceiling = (None if cfg.memory_mb is None else
-                        MemoryCeiling(int(cfg.memory_mb * 2**20), self.cache.host_budget, self.cache.set_host_budget))
+                        MemoryCeiling(int(cfg.memory_mb * 2**20), self.cache.host_budget, self.cache.set_host_budget,
+                                      start_peak))
         self.background = torch.tensor(cfg.background, dtype=torch.float32, device=self.device)
         self.adam = cfg.optim.adam().for_batch(cfg.batch_size * self.size)
         self.log = RunLog(self.out, self.rank, self.size, cfg.tensorboard)
