@@ -440,3 +440,81 @@ def test_a_setup_error_under_mpi_is_written_out_whole_and_the_store_is_untouched
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: --sh-degree 2: the store holds SH up to degree 0"]
     assert {k: v.version for k, v in Store.open(store, mode="r").table.items()} == before
+
+
+# ---- the viewer ----
+
+def _frames(store_path: Path, cameras: list[Camera], monkeypatch, **kw) -> tuple[list, list, list[str]]:
+    """Every camera's frame from a fresh viewer renderer (small cache: frames page); the blocks it read."""
+    from tools.view.render import FrustumRenderer
+
+    reads: list[str] = []
+    original = Store.read_params  # the viewer's cache reads parameters only
+
+    def counting(self, key, info=None):
+        reads.append(key)
+        return original(self, key, info)
+
+    monkeypatch.setattr(Store, "read_params", counting)
+    renderer = FrustumRenderer(Store.open(store_path, mode="r"), 1 << 20, **kw)
+    try:
+        frames = [renderer.render(cam) for cam in cameras]
+    finally:
+        renderer.close()
+        monkeypatch.setattr(Store, "read_params", original)
+    return [rgb for rgb, _ in frames], [stats for _, stats in frames], reads
+
+
+def test_the_viewer_culls_what_is_hidden_and_draws_the_same_frames(walled, monkeypatch):
+    """Headless viewer frames with culling equal those without, byte for byte; the hidden clusters'
+    cluster far from the gap is never read (the other may be drawn in a first wave); the block
+    behind the gap is drawn; no block is projected twice."""
+    store = Store.open(walled.store, mode="r")
+    hidden = set(blocks_within(store.table, HIDDEN[0]))
+    seen = set(blocks_meeting(store.table, SEEN))
+    off, off_stats, off_reads = _frames(walled.store, walled.cameras, monkeypatch)
+    on, on_stats, on_reads = _frames(walled.store, walled.cameras, monkeypatch, occlusion=True)
+    for cam, a, b, sa, sb in zip(walled.cameras, off, on, off_stats, on_stats):
+        assert torch.equal(a, b), cam.name
+        assert sb.waves >= 1 and sb.culled, (cam.name, sb)
+        assert sb.blocks + len(sb.culled) == sa.blocks, (cam.name, sa, sb)  # each frustum block drawn once or culled
+        assert sb.projected + sb.culled_gaussians == sa.projected, cam.name
+    assert hidden & set(off_reads), "the scene must put hidden blocks in some frustum"
+    assert not hidden & set(on_reads)
+    assert seen <= set(on_reads)
+    assert len(on_reads) < len(off_reads)
+
+
+def test_the_viewer_never_culls_a_merged_block(walled, monkeypatch):
+    """With the browser's level of detail (1 px: the far clusters are drawn merged), culling still
+    gives the frames of the same level without it; a block drawn merged is never culled, though
+    unmerged ones behind the wall are."""
+    from tools.view.render import FrustumRenderer
+
+    off, off_stats, _ = _frames(walled.store, walled.cameras, monkeypatch, lod_pixels=1.0)
+    merged: list[set[str]] = []  # per frame, the blocks the culling renderer chose to draw merged
+    choose = FrustumRenderer._merged
+
+    def recording(self, keys, camera):
+        out = choose(self, keys, camera)
+        merged.append(set(out))
+        return out
+
+    monkeypatch.setattr(FrustumRenderer, "_merged", recording)
+    on, on_stats, _ = _frames(walled.store, walled.cameras, monkeypatch, lod_pixels=1.0, occlusion=True)
+    assert any(s.lod.blocks for s in off_stats), "the level must merge some blocks"
+    assert set(blocks_within(Store.open(walled.store, mode="r").table, HIDDEN[0])) & merged[0], \
+        "a block culling would drop must be merged"
+    for cam, a, b, sa, sb, m in zip(walled.cameras, off, on, off_stats, on_stats, merged):
+        assert torch.equal(a, b), cam.name
+        assert sb.lod.blocks == sa.lod.blocks, cam.name
+        assert sb.culled and not set(sb.culled) & m, cam.name
+
+
+def test_the_viewer_refuses_an_unknown_occlusion_mode(walled, tmp_path, capsys):
+    from tools.view.__main__ import main as view_main
+
+    assert view_main([str(walled.store), "--render", str(tmp_path / "out"), "--cameras", "orbit:1",
+                      "--occlusion", "maybe"]) == 1
+    assert "--occlusion maybe: choose from on, off" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -106,7 +106,7 @@ class CameraCull:
 
 
 @dataclass
-class _Pass:
+class CameraPass:
     """One camera's pass, held alike on every rank: each decides the next wave by itself, and only
     what the camera's rank measures (which blocks its saturation depths drop) travels."""
 
@@ -180,10 +180,36 @@ class OcclusionCuller:
                 keys.append([world.keys[i] for i in order[self._wave(np.arange(len(order)), depth)]])
         return owned.union(keys)
 
-    def _start(self, camera: Camera, world: Region) -> _Pass:
+    def start(self, camera: Camera, world: Region) -> CameraPass:
         order = self._nearest_first(camera, world)
         foot = box_footprints(world.extents[order], camera.viewmat, camera.K, camera.width, camera.height)
-        return _Pass(order, foot, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool))
+        return CameraPass(order, foot, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool))
+
+    def next_wave(self, p: CameraPass) -> np.ndarray:  # -> [W] positions in p.order, marked rendered
+        """The pass's next wave; empty, and the pass done, when none is left."""
+        pending = np.zeros(0, dtype=np.int64) if p.done else p.pending()
+        if not len(pending):
+            p.done = True
+            return pending
+        take = self._wave(pending, p.foot.depth)
+        p.rendered[take] = True
+        return take
+
+    @staticmethod
+    def verdict(p: CameraPass, sat: np.ndarray) -> tuple[np.ndarray, bool]:  # sat [H, W] float32, inf unsaturated
+        """The positions (in p.order) of alive blocks that the saturation depths of everything drawn
+        so far drop, and whether the pass is done."""
+        if not np.isfinite(sat).any():  # nothing this translucent drops a block soon: more waves would only read
+            return np.zeros(0, dtype=np.int64), True
+        pyramid = DepthPyramid(sat)
+        test = np.flatnonzero(p.alive & p.foot.bounded)
+        return test[p.foot.near[test] > pyramid.max_over(p.foot.rects[test])], False
+
+    @staticmethod
+    def apply(p: CameraPass, dropped: np.ndarray, done: bool) -> None:
+        p.alive[dropped] = False
+        p.done |= done
+        p.waves += 1
 
     @staticmethod
     def _project(keys: list[str], camera: Camera, cache, sh_degree: int, backend: str) -> Splats2D | None:
@@ -201,7 +227,7 @@ class OcclusionCuller:
         return Splats2D.cat(projected) if projected else None
 
     @staticmethod
-    def _judge(p: _Pass, parts: list[Splats2D], camera: Camera, cache, background: Tensor, backend: str
+    def _judge(p: CameraPass, parts: list[Splats2D], camera: Camera, cache, background: Tensor, backend: str
                ) -> tuple[np.ndarray, bool]:
         """The camera's rank, after a wave that drew something: the positions (in p.order) that the
         saturation depths of every wave so far drop, and whether the pass is done. The rasterizer's
@@ -210,11 +236,7 @@ class OcclusionCuller:
         with cache.working(raster_bytes(len(splats), 0, camera.width, camera.height),
                            f"rasterizing {camera.name} to cull", strict=False):
             sat = rasterize(splats, camera, background, backend=backend).sat_depth.cpu().numpy()
-        if not np.isfinite(sat).any():  # nothing this translucent drops a block soon: more waves would only read
-            return np.zeros(0, dtype=np.int64), True
-        pyramid = DepthPyramid(sat)
-        test = np.flatnonzero(p.alive & p.foot.bounded)
-        return test[p.foot.near[test] > pyramid.max_over(p.foot.rects[test])], False
+        return OcclusionCuller.verdict(p, sat)
 
     @torch.no_grad()
     def cull(
@@ -236,23 +258,16 @@ class OcclusionCuller:
         `max_waves` rounds of two collectives; the waves, and so what is kept, are the same on any
         number of ranks."""
         rank, mine = exchange.rank, set(owned.keys)
-        passes = [self._start(cam, world) for cam in cameras]
+        passes = [self.start(cam, world) for cam in cameras]
         drawn: dict[int, list[Splats2D]] = {i: [] for i, r in enumerate(cam_rank) if r == rank}
         wave_blocks = [0] * len(cameras)
         sent = exchange.bytes_sent
         for _ in range(self.max_waves):
-            waves: dict[int, np.ndarray] = {}
-            for i, p in enumerate(passes):
-                pending = np.zeros(0, dtype=np.int64) if p.done else p.pending()
-                if len(pending):
-                    waves[i] = self._wave(pending, p.foot.depth)
-                else:
-                    p.done = True
+            waves = {i: take for i, p in enumerate(passes) if len(take := self.next_wave(p))}
             if not waves:
                 break
             projected: dict[int, Splats2D] = {}
             for i, take in waves.items():
-                passes[i].rendered[take] = True
                 keys = [k for k in (world.keys[j] for j in passes[i].order[take]) if k in mine]
                 wave_blocks[i] += len(keys)
                 if keys and (s := self._project(keys, cameras[i], cache, sh_degree, backend)) is not None:
@@ -268,9 +283,7 @@ class OcclusionCuller:
                     verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
             for theirs in exchange.allgather(verdicts):
                 for i, (dropped, done) in theirs.items():
-                    passes[i].alive[dropped] = False
-                    passes[i].done |= done
-                    passes[i].waves += 1
+                    self.apply(passes[i], dropped, done)
         culls = []
         for i, (cam, p) in enumerate(zip(cameras, passes)):
             self.last[cam.name] = [world.keys[j] for j in sorted(p.order[p.alive].tolist())]  # world rows: Morton order

@@ -1,13 +1,14 @@
 """Viewer benchmark: `python -m tools.bench view [--work DIR] [--frames N] [--cache-mb MB] [--lod PX]`.
 
 The server-side render of `python -m tools.view` (only the blocks in each camera's frustum,
-paged through a params-only `BlockCache` under --cache-mb), exact and with its level of detail
+paged through a params-only `BlockCache` under --cache-mb), exact, exact with occlusion culling
+(`--occlusion on`: blocks hidden behind nearer ones are never paged) and with its level of detail
 (`--lod` pixels), against rendering the whole exported PLY held in memory, on the synthetic city
 (`tools/scenes/city.py`, its benchmark defaults: 1.08 M Gaussians), at 640x480 and 1280x720, from
 two sets of cameras: street level (the city's first N cameras) and overview (N cameras 10 degrees
 apart on an orbit round the whole city, 30 degrees above it). Each side runs in a fresh process, so its peak RSS is its
 own; each set and size starts with one warm-up frame. The level of detail's frames are compared
-with the exact viewer's (PSNR).
+with the exact viewer's (PSNR); the culled frames must equal them byte for byte.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tools.bench.train import python_module, run_child, scratch  # noqa: E402
 
 SIZES = ((640, 480), (1280, 720))
 VIEWS = ("street", "overview")
-MODES = ("viewer", "viewer-lod", "ply")
+MODES = ("viewer", "viewer-occlusion", "viewer-lod", "ply")
 
 
 @dataclass(frozen=True)
@@ -148,15 +149,18 @@ def child(mode: str, store_path: Path, ply: Path, result: Path, cfg: ViewBenchCo
 
     sets = _view_sets(store_path, cfg.frames)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if mode in ("viewer", "viewer-lod"):
+    if mode.startswith("viewer"):
         store = Store.open(store_path, mode="r", verify="table")
         lod = cfg.lod if mode == "viewer-lod" else 0.0
-        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20), lod_pixels=lod)
+        renderer = FrustumRenderer(store, int(cfg.cache_mb * 2**20), lod_pixels=lod,
+                                   occlusion=mode == "viewer-occlusion")
 
         def render_one(cam):
             rgb, stats = renderer.render(cam)
             return rgb, {"blocks": stats.blocks, "gaussians": stats.gaussians, "projected": stats.projected,
-                         "merged": stats.lod.blocks, "paged_in": stats.paged_in, "mib_read": stats.bytes_read / 2**20}
+                         "merged": stats.lod.blocks, "paged_in": stats.paged_in, "mib_read": stats.bytes_read / 2**20,
+                         "culled": len(stats.culled), "culled_gaussians": stats.culled_gaussians,
+                         "waves": stats.waves}
 
         figures, images = _frames(render_one, sets)
         figures["store_blocks"] = len(store.table)
@@ -214,28 +218,33 @@ def main(argv: list[str]) -> int:
                             f"bench view {mode}")
             results[mode] = {**json.loads(out.read_text()), "peak_rss_mib": run.max_rss / 2**20}
             frames[mode] = dict(np.load(out.with_suffix(".npz")))
-    v, lod, p = (results[m] for m in MODES)
+    v, occ, lod, p = (results[m] for m in MODES)
     print(f"city: {v['store_gaussians']:,} Gaussians in {v['store_blocks']} blocks (--max-per-block "
           f"{cfg.max_per_block}); viewer cache {cfg.cache_mb:g} MiB; median of {cfg.frames} frames; "
           f"level of detail --lod {cfg.lod:g}")
-    print(f"| | viewer: frustum-paged store | viewer, --lod {cfg.lod:g} | whole PLY in memory |")
-    print("|---|---|---|---|")
+    print(f"| | viewer: frustum-paged store | viewer, --occlusion on | viewer, --lod {cfg.lod:g} | "
+          "whole PLY in memory |")
+    print("|---|---|---|---|---|")
     for w, h in SIZES:
         for view in VIEWS:
             key = f"{view} {w}x{h}"
-            a, b, c = v[key], lod[key], p[key]
-            print(f"| {key} ms/frame (max) | {a['ms']:.0f} ({a['ms_max']:.0f}) | {b['ms']:.0f} ({b['ms_max']:.0f}) | "
-                  f"{c['ms']:.0f} ({c['ms_max']:.0f}) |")
-            print(f"| {key} blocks (merged) / Gaussians projected | {a['blocks']:.1f} / {a['projected']:,.0f} | "
+            a, o, b, c = v[key], occ[key], lod[key], p[key]
+            print(f"| {key} ms/frame (max) | {a['ms']:.0f} ({a['ms_max']:.0f}) | {o['ms']:.0f} ({o['ms_max']:.0f}) | "
+                  f"{b['ms']:.0f} ({b['ms_max']:.0f}) | {c['ms']:.0f} ({c['ms_max']:.0f}) |")
+            print(f"| {key} blocks (merged; culled) / Gaussians projected | {a['blocks']:.1f} / {a['projected']:,.0f} | "
+                  f"{o['blocks']:.1f} ({o['culled']:.1f} culled in {o['waves']:.1f} waves) / {o['projected']:,.0f} | "
                   f"{b['blocks']:.1f} ({b['merged']:.1f}) / {b['projected']:,.0f} of {b['gaussians']:,.0f} | "
                   f"all / {c['projected']:,.0f} |")
             print(f"| {key} blocks / MiB paged in | {a['paged_in']:.1f} / {a['mib_read']:.1f} | "
-                  f"{b['paged_in']:.1f} / {b['mib_read']:.1f} | - |")
+                  f"{o['paged_in']:.1f} / {o['mib_read']:.1f} | {b['paged_in']:.1f} / {b['mib_read']:.1f} | - |")
             exact = [psnr(x, y) for x, y in zip(frames["viewer"][key], frames["ply"][key])]
+            culled = [psnr(x, y) for x, y in zip(frames["viewer-occlusion"][key], frames["viewer"][key])]
             merged = [psnr(x, y) for x, y in zip(frames["viewer-lod"][key], frames["viewer"][key])]
-            print(f"| {key} PSNR dB against the exact viewer (min) | - | {np.mean(merged):.1f} ({min(merged):.1f}) | "
-                  f"{np.mean(exact):.1f} ({min(exact):.1f}) |")
-    rss = " | ".join(f"{r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f})" for r in (v, lod, p))
+            print(f"| {key} PSNR dB against the exact viewer (min) | - | {np.mean(culled):.1f} ({min(culled):.1f}) | "
+                  f"{np.mean(merged):.1f} ({min(merged):.1f}) | {np.mean(exact):.1f} ({min(exact):.1f}) |")
+            if not all(np.array_equal(x, y) for x, y in zip(frames["viewer-occlusion"][key], frames["viewer"][key])):
+                print(f"| {key}: the culled frames DIFFER from the exact viewer's |")
+    rss = " | ".join(f"{r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f})" for r in (v, occ, lod, p))
     print(f"| peak RSS MiB (after imports) | {rss} |")
     return 0
 

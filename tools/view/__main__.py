@@ -1,5 +1,5 @@
 """python -m tools.view STORE [--data DATA] [--ranks R] [--host 127.0.0.1] [--port 8080] [--device cpu|cuda]
-[--cache-mb MB] [--follow] [--lod PIXELS] | --render OUT_DIR --cameras SPEC [--width W --height H] [--outline] | --map OUT.png"""
+[--cache-mb MB] [--follow] [--lod PIXELS] [--occlusion on|off] | --render OUT_DIR --cameras SPEC [--width W --height H] [--outline] | --map OUT.png"""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lod", type=float, default=None, metavar="PIXELS",
                    help="level of detail: blocks seen at sub-pixel size are drawn merged per cube of about this many "
                         "pixels; 0 draws every Gaussian (default: 1 in the browser, 0 for --render)")
+    p.add_argument("--occlusion", default="on",
+                   help="on: blocks hidden behind nearer ones are never paged (train/occlusion.py; the same image); "
+                        "off: every block in the frustum is drawn")
     headless = p.add_argument_group("headless (no server)")
     headless.add_argument("--render", metavar="OUT_DIR", default=None, help="write a PNG per camera of --cameras here (default: none: serve the browser viewer)")
     headless.add_argument("--cameras", default="all",

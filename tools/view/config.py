@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 DEVICES = ("cpu", "cuda")
 COLOUR_MODES = ("owner", "count", "step")
+OCCLUSION_MODES = ("on", "off")
 BROWSER_LOD_PIXELS = 1.0  # the browser's level of detail: merge what falls within about a pixel (tools/view/lod.py)
 MAX_LOD_PIXELS = 64.0
 _CAMERAS_RE = re.compile(r"^(all|test|train|orbit:[1-9][0-9]*|[0-9]+(,[0-9]+)*)$")
@@ -35,6 +36,7 @@ class ViewConfig:
     map: str | None = None  # headless: write a top-down map of the blocks coloured by owner to this PNG
     colour: str = "owner"  # first colouring of the boxes in the browser
     lod: float | None = None  # merge far blocks per cube of this many pixels; 0 exact (default: browser 1, headless 0)
+    occlusion: str = "on"  # cull blocks hidden behind nearer ones before paging them (exact: the same image)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -55,6 +57,8 @@ class ViewConfig:
                 raise ViewError(f"--{name} {value}: must be in 1..16384")
         if self.lod is not None and not (math.isfinite(self.lod) and 0 <= self.lod <= MAX_LOD_PIXELS):
             raise ViewError(f"--lod {self.lod}: must be a number of pixels in 0..{MAX_LOD_PIXELS:g} (0: exact)")
+        if self.occlusion not in OCCLUSION_MODES:
+            raise ViewError(f"--occlusion {self.occlusion}: choose from {', '.join(OCCLUSION_MODES)}")
         if self.colour not in COLOUR_MODES:
             raise ViewError(f"colour {self.colour!r}: choose from {', '.join(COLOUR_MODES)}")
         if self.render and self.data is None and not self.cameras.startswith("orbit:"):

@@ -83,7 +83,8 @@ class Viewer:
         self.cfg, self.store, self.data = cfg, store, data
         check_port_free(cfg.host, cfg.port)
         self.scene = load_blocks(store, cfg.store, cfg.ranks, data.train if data else [])
-        self.renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels)
+        self.renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels,
+                               occlusion=cfg.occlusion == "on")
         self.lock = threading.Lock()  # one render or refresh at a time: they share the store view and cache
         self.changes = 0  # bumped by every change of what frames show (`_changed`)
         self.last_frame = FrameStats()

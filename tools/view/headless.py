@@ -34,7 +34,8 @@ def render_cameras(cfg: ViewConfig, store: Store, scene: BlockScene, data: Datas
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ViewError(f"--render {out}: {e.strerror}") from e
-    renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels)
+    renderer = FrustumRenderer(store, cfg.cache_bytes, cfg.device, lod_pixels=cfg.lod_pixels,
+                               occlusion=cfg.occlusion == "on")
     colours = block_colours(scene, "owner")
     paths = []
     try:

@@ -5,7 +5,17 @@ groups that fit half the cache budget, so a view of more blocks than the budget 
 renders: only the 2D splats of all groups are kept, and one rasterization composites them. A
 block that fails to read (corrupt, or collected by a trainer's commit) is named and skipped.
 With a level of detail (`lod_pixels` > 0), blocks the camera sees at sub-pixel size are drawn
-merged (`tools/view/lod.py`); with 0 the frame is exactly `render()` of the store."""
+merged (`tools/view/lod.py`); with 0 the frame is exactly `render()` of the store.
+
+With occlusion culling (`occlusion=True`, `train/occlusion.py`), the frustum's blocks are drawn
+front to back in waves: after each wave, the saturation depths of what is drawn so far drop every
+block lying behind all the pixels it could reach, which is then never paged. The splats of the
+waves are the frame's splats (nothing is projected twice), and the blocks left after the last wave
+are added to them: the same image bit for bit (the CPU rasterizer orders splats by depth, ties by
+content, so the order they arrive in does not matter; a dropped block's splats would sort after the
+splat that stops every pixel they reach). Blocks drawn merged are never dropped (a merged
+Gaussian may reach beyond its block's extent box), though they occlude what lies behind them in
+the image they make."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +32,7 @@ from storage import CacheBudgetError, Store, StoreError
 from storage.cache import BlockCache, param_bytes_per_gaussian
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
+from train.occlusion import OcclusionCuller
 from train.region import Region
 from train.render import RenderError, project, rasterize
 from train.render.splats2d import Splats2D
@@ -48,6 +60,9 @@ class FrameStats:
     height: int = 0
     blocks: int = 0  # blocks in the view frustum that were rendered
     gaussians: int = 0  # Gaussians in those blocks
+    culled: list[str] = field(default_factory=list)  # blocks in the frustum that culling dropped before paging
+    culled_gaussians: int = 0  # Gaussians in those blocks
+    waves: int = 0  # rasterizations of the culling pass
     projected: int = 0  # Gaussians projected: those of the blocks drawn as they are, and the merged ones
     splats: int = 0  # of those, the ones that landed in the image
     lod: LodStats = field(default_factory=LodStats)  # the blocks drawn merged
@@ -62,6 +77,9 @@ class FrameStats:
         text = (f"{self.width}x{self.height} in {self.seconds * 1e3:.0f} ms: {self.blocks} blocks{merged}, "
                 f"{self.gaussians:,} Gaussians ({self.splats:,} splats), paged in {self.paged_in} blocks "
                 f"({self.bytes_read / 2**20:.1f} MiB)")
+        if self.waves:
+            text += (f", culled {len(self.culled)} blocks ({self.culled_gaussians:,} Gaussians) "
+                     f"in {self.waves} waves")
         return text + (f", skipped {len(self.skipped)} unreadable" if self.skipped else "")
 
 
@@ -70,10 +88,12 @@ class FrustumRenderer:
     with `lod_pixels` > 0, merged blocks (`ProxyCache`) share that budget: they may take up to
     half of it (a view's proxies that do not fit would be merged again every frame), and what
     they hold is reserved in the block cache (`BlockCache.working`), so blocks get the rest, all
-    of it in a view that merges nothing. `lod_pixels` may then change between frames, 0 included."""
+    of it in a view that merges nothing. `lod_pixels` may then change between frames, 0 included.
+    With `occlusion`, blocks hidden behind what the nearer ones draw are never paged (above)."""
 
     def __init__(self, store: Store, budget_bytes: int, device: str = "cpu",
-                 background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0) -> None:
+                 background: tuple[float, float, float] = (0.0, 0.0, 0.0), lod_pixels: float = 0.0,
+                 occlusion: bool = False) -> None:
         if device == "cuda" and not torch.cuda.is_available():
             raise ViewError("--device cuda asked for, but torch sees no CUDA device")
         self.store = store
@@ -85,6 +105,7 @@ class FrustumRenderer:
         self.device = torch.device(device)
         self.backend = "cuda" if device == "cuda" else "cpu"
         self.background = torch.tensor(background, dtype=torch.float32, device=self.device)
+        self.culler = OcclusionCuller(param_bytes_per_gaussian(store.sh_degree)) if occlusion else None
         self.bad: dict[str, str] = {}  # key -> why it could not be read (reported once, then skipped)
         self._head: int | None = None
         self.cache: BlockCache | None = None
@@ -131,33 +152,17 @@ class FrustumRenderer:
         start = time.perf_counter()
         keys = [k for k in self.visible(camera) if k not in self.bad]
         assert self.cache is not None
-        table = self.store.table
         stats = FrameStats(width=camera.width, height=camera.height)
         misses, read = self.cache.stats.misses, self.cache.stats.bytes_read
         self._hold_proxies(self.proxies.nbytes())  # a frame an error cut short may have merged unreserved
         merged = self._merged(keys, camera)
-        parts = []
-        for group in self._groups(keys):
-            if cancelled():
-                raise FrameCancelled
-            # Taken before any merge of this group can push them out of the LRU (never None: `_merged`).
-            cached = {k: self.proxies.get(merged[k]) for k in group if k in merged and merged[k] in self.proxies}
-            blocks = self._pin([k for k in group if k not in cached], stats)
-            try:
-                rows = [self._rows(k, merged.get(k), cached, blocks, stats)
-                        for k in group if k in cached or k in blocks]
-                if rows:
-                    splats = {n: torch.cat([r[n] for r in rows]) for n in PARAM_NAMES}
-                    stats.blocks += len(rows)
-                    stats.projected += int(splats["means"].shape[0])
-                    try:
-                        parts.append(project(splats, camera, self.store.sh_degree, self.backend))
-                    except RenderError as e:  # the store checks what it writes; this is a last line
-                        raise ViewError(f"store {self.store.name}, blocks {', '.join(group)}: {e}") from e
-            finally:
-                self.cache.unpin(blocks)
-            self._hold_proxies(self.proxies.nbytes())
-        stats.gaussians = sum(table[k].count for k in keys if k not in self.bad)
+        parts: list[Splats2D] = []
+        drawn: list[str] = []
+        if self.culler is not None:
+            keys = self._waves(camera, merged, parts, drawn, stats, cancelled)
+        drawn += self._draw(keys, camera, merged, parts, stats, cancelled)
+        table = self.store.table
+        stats.gaussians = sum(table[k].count for k in drawn)
         s = Splats2D.cat(parts) if parts else Splats2D.empty(self.device)
         stats.splats = len(s)
         rgb = rasterize(s, camera, self.background, self.backend).rgb.clamp(0, 1)
@@ -165,6 +170,61 @@ class FrustumRenderer:
         stats.bytes_read = self.cache.stats.bytes_read - read
         stats.seconds = time.perf_counter() - start
         return rgb, stats
+
+    def _waves(self, camera: Camera, merged: dict[str, Slot], parts: list[Splats2D], drawn: list[str],
+               stats: FrameStats, cancelled: Callable[[], bool]) -> list[str]:
+        """The culling pass: draws its waves into `parts` (their blocks into `drawn`) and returns
+        the blocks left to draw, Morton order; the frustum's others are culled."""
+        assert self.culler is not None and self.region is not None
+        p = self.culler.start(camera, self.region)
+        keys = self.region.keys
+        for _ in range(self.culler.max_waves):
+            take = self.culler.next_wave(p)
+            if not len(take):
+                break
+            wave = sorted(k for k in (keys[j] for j in p.order[take]) if k not in self.bad)
+            drawn += self._draw(wave, camera, merged, parts, stats, cancelled)
+            if not sum(len(s) for s in parts):  # the wave landed nowhere in the image: nothing to judge by
+                continue
+            sat = rasterize(Splats2D.cat(parts), camera, self.background, self.backend).sat_depth.cpu().numpy()
+            dropped, done = self.culler.verdict(p, sat)
+            # A merged Gaussian may reach beyond its block's box: a merged block is never dropped.
+            self.culler.apply(p, dropped[np.array([keys[p.order[j]] not in merged for j in dropped], dtype=bool)], done)
+            stats.waves += 1
+        left = sorted(keys[j] for j in p.order[p.alive & ~p.rendered] if keys[j] not in self.bad)
+        culled = [keys[j] for j in p.order[~p.alive & ~p.rendered] if keys[j] not in self.bad]
+        stats.culled = culled
+        stats.culled_gaussians = sum(self.store.table[k].count for k in culled)
+        return left
+
+    def _draw(self, keys: list[str], camera: Camera, merged: dict[str, Slot], parts: list[Splats2D],
+              stats: FrameStats, cancelled: Callable[[], bool]) -> list[str]:
+        """Projects these blocks (Morton order) into `parts`, a group that fits the budget at a time;
+        returns the ones drawn (an unreadable one is skipped)."""
+        assert self.cache is not None
+        drawn = []
+        for group in self._groups(keys):
+            if cancelled():
+                raise FrameCancelled
+            # Taken before any merge of this group can push them out of the LRU (never None: `_merged`).
+            cached = {k: self.proxies.get(merged[k]) for k in group if k in merged and merged[k] in self.proxies}
+            blocks = self._pin([k for k in group if k not in cached], stats)
+            try:
+                present = [k for k in group if k in cached or k in blocks]
+                rows = [self._rows(k, merged.get(k), cached, blocks, stats) for k in present]
+                if rows:
+                    splats = {n: torch.cat([r[n] for r in rows]) for n in PARAM_NAMES}
+                    stats.blocks += len(rows)
+                    stats.projected += int(splats["means"].shape[0])
+                    drawn += present
+                    try:
+                        parts.append(project(splats, camera, self.store.sh_degree, self.backend))
+                    except RenderError as e:  # the store checks what it writes; this is a last line
+                        raise ViewError(f"store {self.store.name}, blocks {', '.join(group)}: {e}") from e
+            finally:
+                self.cache.unpin(blocks)
+            self._hold_proxies(self.proxies.nbytes())
+        return drawn
 
     def _merged(self, keys: list[str], camera: Camera) -> dict[str, Slot]:
         """The blocks this frame draws merged -> the slot of their proxy (`ProxyCache.choose`); a
