@@ -511,8 +511,21 @@ def test_the_viewer_never_culls_a_merged_block(walled, monkeypatch):
         assert sb.culled and not set(sb.culled) & m, cam.name
 
 
-def test_the_viewer_refuses_an_unknown_occlusion_mode(walled, tmp_path, capsys):
+def test_the_viewer_flag(walled, tmp_path, capsys):
+    """`tools.view --render --occlusion on` writes the PNGs of the default (off) byte for byte and
+    reports what it culled; an unknown mode is refused before anything is written."""
     from tools.view.__main__ import main as view_main
+
+    pngs = {}
+    for mode in ("on", None):
+        out = tmp_path / f"render-{mode}"
+        flags = ["--occlusion", mode] if mode else []
+        assert view_main([str(walled.store), "--data", str(walled.data), "--render", str(out),
+                          "--cameras", "train", *flags]) == 0
+        printed = capsys.readouterr().out
+        assert ("culled" in printed) == (mode == "on"), printed
+        pngs[mode] = {p.name: p.read_bytes() for p in sorted(out.glob("*.png"))}
+    assert pngs["on"] and pngs["on"] == pngs[None]
 
     assert view_main([str(walled.store), "--render", str(tmp_path / "out"), "--cameras", "orbit:1",
                       "--occlusion", "maybe"]) == 1

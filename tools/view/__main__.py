@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lod", type=float, default=None, metavar="PIXELS",
                    help="level of detail: blocks seen at sub-pixel size are drawn merged per cube of about this many "
                         "pixels; 0 draws every Gaussian (default: 1 in the browser, 0 for --render)")
-    p.add_argument("--occlusion", default="on",
-                   help="on: blocks hidden behind nearer ones are never paged (train/occlusion.py; the same image); "
-                        "off: every block in the frustum is drawn")
+    p.add_argument("--occlusion", default="off",
+                   help="on: blocks hidden behind nearer ones are never paged (train/occlusion.py; the same image, at "
+                        "the cost of a rasterization a wave); off: every block in the frustum is drawn")
     headless = p.add_argument_group("headless (no server)")
     headless.add_argument("--render", metavar="OUT_DIR", default=None, help="write a PNG per camera of --cameras here (default: none: serve the browser viewer)")
     headless.add_argument("--cameras", default="all",

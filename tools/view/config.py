@@ -36,7 +36,7 @@ class ViewConfig:
     map: str | None = None  # headless: write a top-down map of the blocks coloured by owner to this PNG
     colour: str = "owner"  # first colouring of the boxes in the browser
     lod: float | None = None  # merge far blocks per cube of this many pixels; 0 exact (default: browser 1, headless 0)
-    occlusion: str = "on"  # cull blocks hidden behind nearer ones before paging them (exact: the same image)
+    occlusion: str = "off"  # on: cull blocks hidden behind nearer ones before paging them (the same image, more rasterizations)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
