@@ -49,8 +49,8 @@ class _Rasterize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):
         bins, bg, t_final, stop, tile_end, blended, width, height, absgrad, packed = ctx.state
-        grads = np.zeros((bins.n_isects, kernels.GRAD_COLS), np.float32)
-        absgrads = np.zeros((bins.n_isects if absgrad is not None else 0, 2), np.float32)
+        grads = np.empty((bins.n_isects, kernels.GRAD_COLS), np.float32)  # every row written by the kernel
+        absgrads = np.empty((bins.n_isects if absgrad is not None else 0, 2), np.float32)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
             kernels.backward(bins.offsets, bins.gids, bins.records, bg, width, height,
                              bins.tiles_x, kernels.LANES, t_final, stop, tile_end, blended, _array(v_rgb),

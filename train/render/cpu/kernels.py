@@ -279,12 +279,21 @@ def _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy):  # -> ab with |pixel p's 2D 
     return ab[0] + abs(ca * sx + cb * sy), ab[1] + abs(cb * sx + cc * sy)
 
 
+@njit(inline="always")
+def _zero_row(grads, absgrads, i, want_abs):
+    for col in range(grads.shape[1]):
+        grads[i, col] = _ZERO
+    if want_abs:
+        absgrads[i, 0], absgrads[i, 1] = _ZERO, _ZERO
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
              t_final, stop, tile_end, blended, v_rgb, v_alpha, grads, absgrads, want_abs):
     """Gradients of every tile intersection into row i of grads [n_isects, 9], in tile-list order
     (rows of entries past a tile's last contributor, or that `forward` blended into no pixel, are
-    left as they are: zero; 11% of the garden's entries before their tile's end). Rows are written
+    zeros, written here by the tile's thread rather than by a one-thread memset of the whole array
+    before; 11% of the garden's entries before their tile's end). Rows are written
     as the tiles walk their lists, not where their splat's other rows are: scattered writes into
     the grads array cost a quarter of this kernel's time. With want_abs, absgrads [n_isects, 2]
     gets the sums of absolute per-pixel 2D mean gradients (gsplat's `absgrad`) the same way; the
@@ -313,10 +322,14 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                                                                   + background[2] * vb))
                 if stop[y, x] >= 0:
                     buf[_STOP + p] = np.float32(stop[y, x])
+        for i in range(start + k_end + 1, offsets[tile + 1]):  # past the tile's last contributor
+            _zero_row(grads, absgrads, i, want_abs)
         local = _gather(records, gids, start, k_end + 1)
         for k in range(k_end, -1, -1):
             if local[k, HALF_Y] < _ZERO or not blended[start + k]:
-                continue  # an entry blended nowhere (alpha test failed, or its pixels had stopped): all zero
+                # an entry blended nowhere (alpha test failed, or its pixels had stopped): all zero
+                _zero_row(grads, absgrads, start + k, want_abs)
+                continue
             mx, my, ca, cb, cc, o, cr, cg, cbl, level = _splat(local, k, x0, y0)
             bounded = local[k, HALF_Y] < DEGENERATE
             kf = np.float32(k)
@@ -374,9 +387,11 @@ def reduce_grads(grads, hit_starts, hit_slots, order):  # grads [n_isects, C] ->
     hit_starts[i + 1]], so records are summed in parallel without write conflicts, into the
     input's row order[i]."""
     m, cols = order.size, grads.shape[1]
-    out = np.zeros((m, cols), np.float32)
+    out = np.empty((m, cols), np.float32)  # order is a permutation of the rows: each written once
     for i in prange(m):
         g = order[i]
+        for col in range(cols):
+            out[g, col] = _ZERO
         for j in range(hit_starts[i], hit_starts[i + 1]):
             row = hit_slots[j]
             for col in range(cols):
