@@ -280,7 +280,8 @@ class OcclusionCuller:
                               key=lambda part: part[0])
                 if sum(len(s) for _, s in wave):  # else the wave lands nowhere in the image (a block around the camera)
                     drawn[i].extend(s for _, s in wave)
-                    verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
+                    if len(passes[i].pending()):  # else no block is left to drop: the step renders them all
+                        verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
             for theirs in exchange.allgather(verdicts):
                 for i, (dropped, done) in theirs.items():
                     self.apply(passes[i], dropped, done)
