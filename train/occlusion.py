@@ -196,6 +196,13 @@ class OcclusionCuller:
         return take
 
     @staticmethod
+    def worth_judging(p: CameraPass, wave_splats: int) -> bool:
+        """Whether rasterizing after a wave can drop anything: the wave drew some splat into the
+        image (else the saturation depths are those already judged, or there are none: a block
+        around the camera), and some block is still pending (else all are drawn anyway)."""
+        return wave_splats > 0 and len(p.pending()) > 0
+
+    @staticmethod
     def verdict(p: CameraPass, sat: np.ndarray) -> tuple[np.ndarray, bool]:  # sat [H, W] float32, inf unsaturated
         """The positions (in p.order) of alive blocks that the saturation depths of everything drawn
         so far drop, and whether the pass is done."""
@@ -278,10 +285,9 @@ class OcclusionCuller:
             for i in (i for i in waves if cam_rank[i] == rank):
                 wave = sorted([*incoming.get(i, []), *([(rank, projected[i])] if i in projected else [])],
                               key=lambda part: part[0])
-                if sum(len(s) for _, s in wave):  # else the wave lands nowhere in the image (a block around the camera)
-                    drawn[i].extend(s for _, s in wave)
-                    if len(passes[i].pending()):  # else no block is left to drop: the step renders them all
-                        verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
+                drawn[i].extend(s for _, s in wave)
+                if self.worth_judging(passes[i], sum(len(s) for _, s in wave)):
+                    verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
             for theirs in exchange.allgather(verdicts):
                 for i, (dropped, done) in theirs.items():
                     self.apply(passes[i], dropped, done)

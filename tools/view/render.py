@@ -183,10 +183,9 @@ class FrustumRenderer:
             if not len(take):
                 break
             wave = sorted(k for k in (keys[j] for j in p.order[take]) if k not in self.bad)
+            before = len(parts)
             drawn += self._draw(wave, camera, merged, parts, stats, cancelled)
-            if not len(p.pending()):  # nothing left to drop: the frame's own rasterization follows
-                break
-            if not sum(len(s) for s in parts):  # the wave landed nowhere in the image: nothing to judge by
+            if not self.culler.worth_judging(p, sum(len(s) for s in parts[before:])):
                 continue
             sat = rasterize(Splats2D.cat(parts), camera, self.background, self.backend).sat_depth.cpu().numpy()
             dropped, done = self.culler.verdict(p, sat)
