@@ -288,8 +288,8 @@ def _gradient_sums(arrays: list[np.ndarray], n_bases: int) -> list[np.ndarray]:
     threshold past their size, as it does after freeing the first (~0.3 ms a step at 50k
     Gaussians). Above degree 0 every page of them is written, and fresh pages would fault in one
     at a time under the process's memory lock (garden forward+backward 83 -> 91 ms)."""
-    sums = [np.zeros(a.shape, a.dtype) for a in arrays[:5]]
-    shN = arrays[5]
+    *rest, shN = arrays  # in _PARAM_ORDER: shN last
+    sums = [np.zeros(a.shape, a.dtype) for a in rest]
     if n_bases > 1 or shN.nbytes < mmap.PAGESIZE:
         return sums + [np.zeros(shN.shape, shN.dtype)]
     return sums + [np.frombuffer(mmap.mmap(-1, shN.nbytes), shN.dtype).reshape(shN.shape)]
