@@ -9,6 +9,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from train.config import ConfigError, parse_config
+from train.heap import retain_freed_memory
 from train.render.cpu.compiled import ensure_compiled
 from train.trainer import EXPECTED_ERRORS, SetupError, resolve_device, run
 _INTERRUPTED = 130  # 128 + SIGINT, as shells report a job stopped by Ctrl-C
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    retain_freed_memory()
     if launched_ranks() > 1:
         return _main_mpi(cfg)
     try:

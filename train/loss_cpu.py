@@ -17,38 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
 from torch import Tensor
 
 from train.ssim import SsimPass
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _error_rows(x, y):  # x, y [C, H, W] float32 -> [C * H] float64 sums of |x - y|, of (clamp(x, 0, 1) - y)^2
-    nc, h, w = x.shape
-    l1, se = np.empty(nc * h, np.float64), np.empty(nc * h, np.float64)
-    for r in prange(nc * h):
-        c, i = r // h, r % h
-        a, b = 0.0, 0.0
-        for j in range(w):
-            xv, yv = x[c, i, j], y[c, i, j]
-            a += abs(np.float64(xv) - np.float64(yv))
-            e = np.float64(min(max(xv, np.float32(0.0)), np.float32(1.0))) - np.float64(yv)
-            b += e * e
-        l1[r], se[r] = a, b
-    return l1, se
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _add_l1_grad(grad, x, y, d):  # grad [H, W, C] float32 in place; x, y [C, H, W]; d float32
-    """grad += sgn(x - y) * d, as torch's abs backward gives it (0 where equal, NaN where NaN);
-    no fast-math: the sum must round as autograd's separate addition does."""
-    h, w, nc = grad.shape
-    for i in prange(h):
-        for c in range(nc):
-            xr, yr = x[c, i], y[c, i]
-            for j in range(w):
-                grad[i, j, c] += np.sign(xr[j] - yr[j]) * d
 
 
 def _scalar_factors(grad_out: Tensor, ssim_lambda: float, pixels: int) -> tuple[np.float32, float]:
@@ -65,13 +36,12 @@ class _Photometric(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rendered: Tensor, target: Tensor, ssim_lambda: float):  # [H, W, C] each -> loss, mse
         structure = SsimPass(rendered, target)
-        l1_rows, se_rows = _error_rows(structure.x, structure.y)
         ctx.state = (structure, ssim_lambda)
         pixels = structure.x.size
-        l1 = np.float32(l1_rows.sum() / pixels)
+        l1 = np.float32(structure.l1_rows.sum() / pixels)
         loss = torch.tensor((1.0 - ssim_lambda) * float(l1) + ssim_lambda * (1.0 - structure.value),
                             dtype=torch.float32)
-        mse = torch.tensor(se_rows.sum() / pixels, dtype=torch.float64)
+        mse = torch.tensor(structure.se_rows.sum() / pixels, dtype=torch.float64)
         ctx.mark_non_differentiable(mse)
         return loss, mse
 
@@ -79,9 +49,7 @@ class _Photometric(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor, _grad_mse):
         structure, ssim_lambda = ctx.state
         d_l1, d_ssim = _scalar_factors(grad_out, ssim_lambda, structure.x.size)
-        grad = structure.grad(d_ssim)
-        _add_l1_grad(grad, structure.x, structure.y, d_l1)
-        return torch.from_numpy(grad), None, None
+        return torch.from_numpy(structure.grad(d_ssim, d_l1)), None, None
 
 
 def photometric_cpu(rendered: Tensor, target: Tensor, ssim_lambda: float) -> tuple[Tensor, float]:

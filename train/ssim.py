@@ -7,6 +7,10 @@ mean over pixels and channels) and keeps, per valid pixel, the three partial der
 with respect to the filtered maps it depends on (the means, E[x^2] and E[xy]); the backward filters
 those with the transposed window. Tests hold it to pytorch_msssim's value and autograd gradient.
 
+The training loss's other terms ride along (`train.loss_cpu`): the forward also sums each row's
+L1 and squared errors, and the backward adds the L1 term's gradient, so the loss reads and writes
+each image once. Both read the [H, W, C] images as they are (no channel-first copies).
+
 Every output value is computed by one thread in a fixed order and the per-row sums are added in row
 order, so the result does not depend on the number of threads (MPI runs compare bit for bit).
 """
@@ -20,6 +24,14 @@ from numba import njit, prange
 from torch import Tensor
 
 WINDOW, SIGMA = 11, 1.5
+_PAD = WINDOW - 1  # zero rows and columns around the partials' maps: the backward's taps need no bounds tests
+_FASTMATH = {"contract", "reassoc", "nsz", "nnan", "ninf", "arcp", "afn"}
+# SSIM from the filtered maps without reassociation or approximate reciprocals: its quotients of
+# near-equal sums, so computed, moved the SSIM of identical images 1e-6 off 1.
+_STRICT = {"contract", "nsz", "nnan", "ninf"}
+# The backward adds the L1 term's gradient to SSIM's after rounding, as autograd adds the two
+# branches: with contraction allowed anywhere in the kernel LLVM fused the product into that sum.
+_NO_CONTRACT = {"nsz"}  # and no "no NaN": sgn(NaN) must stay NaN, as torch gives it
 _C1, _C2 = np.float32(0.01 ** 2), np.float32(0.03 ** 2)
 _ONE, _TWO = np.float32(1.0), np.float32(2.0)
 
@@ -36,116 +48,177 @@ def gaussian_window(size: int = WINDOW, sigma: float = SIGMA) -> np.ndarray:  # 
     return window
 
 
-# Valid rows per task of the forward: a band's horizontally filtered rows (5 maps x (BAND + 10)
-# rows) stay in the core's cache for the vertical pass, instead of five full-image maps written to
-# and read back from memory (with their page faults), at the price of filtering the 10 rows
-# between bands twice. The values do not depend on it: each is computed in the same order.
+# Valid rows per task of the forward: more tasks than cores (bands of every channel) keep both
+# busy; each band filters the WINDOW - 1 input rows below it a second time. The values do not
+# depend on it: each is computed in the same order.
 _BAND = 32
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _ssim_forward(x, y, g):  # x, y [C, H, W] float32 -> row sums [C * Hv] float64, partials 3 x [C, Hv, Wv]
-    """SSIM per valid row, and dS/dmu_x, dS/dE[x^2], dS/dE[xy] at every valid pixel."""
-    nc, h, w = x.shape
-    n = g.size
-    hv, wv = h - n + 1, w - n + 1
+@njit(inline="always", fastmath=_FASTMATH)
+def _filter_row(src, g, out):  # out[j] = sum_k g[k] src[j + k], j < len(out): one map, one row
+    """The taps unrolled (WINDOW is a compile-time constant) and the sum kept in a register: the
+    vectorizer then works along the row with one store per 8 outputs, where accumulating a row of
+    sums tap by tap loaded and stored every sum at every tap."""
+    for j in range(out.size):
+        acc = np.float32(0.0)
+        for k in range(WINDOW):
+            acc += g[k] * src[j + k]
+        out[j] = acc
+
+
+@njit(inline="always", fastmath=_FASTMATH)
+def _filter_ring(rows, r0, g, out):  # out[j] = sum_k g[k] rows[(r0 + k) % WINDOW, j]: a column in the ring of rows
+    for j in range(out.size):
+        acc = np.float32(0.0)
+        for k in range(WINDOW):
+            acc += g[k] * rows[(r0 + k) % WINDOW, j]
+        out[j] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_STRICT)
+def _ssim_row(filtered, s, d_mu, d_xx, d_xy):
+    """SSIM s [Wv] at each pixel of a valid row from its filtered maps [5, Wv] (mu_x, mu_y, E[x^2],
+    E[y^2], E[xy]), and its partials by mu_x, E[x^2], E[xy] into the three [Wv] rows. Not
+    inlined: a function of its own keeps its own fast-math flags where LLVM inlines it."""
+    for j in range(s.size):
+        m, u, exx, eyy, exy = filtered[0, j], filtered[1, j], filtered[2, j], filtered[3, j], filtered[4, j]
+        a1, b1 = _TWO * m * u + _C1, m * m + u * u + _C1
+        a2, b2 = _TWO * (exy - m * u) + _C2, (exx - m * m) + (eyy - u * u) + _C2
+        inv_b1, inv_b2 = _ONE / b1, _ONE / b2
+        lum, cs = a1 * inv_b1, a2 * inv_b2
+        s[j] = lum * cs
+        # S = (a1 / b1)(a2 / b2); d/dm through a1 (2u), b1 (2m), a2 (-2u), b2 (-2m).
+        d_mu[j] = _TWO * ((u * cs - m * s[j]) * inv_b1 + (m * s[j] - u * lum) * inv_b2)
+        d_xx[j] = -s[j] * inv_b2
+        d_xy[j] = _TWO * lum * inv_b2
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
+def _ssim_forward(x, y, g):
+    """x, y [H, W, C] float32 (H, W >= WINDOW), g [WINDOW] -> SSIM per valid row [C * Hv] float64;
+    per input row [C * H] float64 the sums of |x - y| and of (clamp(x, 0, 1) - y)^2; and
+    dS/dmu_x, dS/dE[x^2], dS/dE[xy] at every valid pixel, three [C, Hv + 2 PAD, Wv + 2 PAD] maps
+    zero outside the valid region.
+
+    Each output is a sum over the window's taps, kept in registers with the taps unrolled (WINDOW
+    is a compile-time constant), so the vectorizer works along the row: accumulating a row of sums
+    one tap at a time loaded and stored all five sums at every tap."""
+    h, w, nc = x.shape
+    hv, wv = h - WINDOW + 1, w - WINDOW + 1
     bands = (hv + _BAND - 1) // _BAND
-    d_mu = np.empty((nc, hv, wv), np.float32)
-    d_xx = np.empty((nc, hv, wv), np.float32)
-    d_xy = np.empty((nc, hv, wv), np.float32)
+    d_mu = np.empty((nc, hv + 2 * _PAD, wv + 2 * _PAD), np.float32)
+    d_xx = np.empty_like(d_mu)
+    d_xy = np.empty_like(d_mu)
     sums = np.zeros(nc * hv, np.float64)
+    l1, se = np.zeros(nc * h, np.float64), np.zeros(nc * h, np.float64)
     for task in prange(nc * bands):
-        c, i0 = task // bands, task % bands * _BAND
+        c, b = task // bands, task % bands
+        i0 = b * _BAND
         i1 = min(i0 + _BAND, hv)
-        # Horizontal pass: x, y, x^2, y^2, xy filtered along the band's input rows.
-        rows = np.zeros((5, i1 - i0 + n - 1, wv), np.float32)
-        for i in range(i0, i1 + n - 1):
-            xr, yr = x[c, i], y[c, i]
-            f0, f1, f2, f3, f4 = rows[0, i - i0], rows[1, i - i0], rows[2, i - i0], rows[3, i - i0], rows[4, i - i0]
-            for k in range(n):
-                gk = g[k]
-                for j in range(wv):
-                    a, b = xr[j + k], yr[j + k]
-                    f0[j] += gk * a
-                    f1[j] += gk * b
-                    f2[j] += gk * a * a
-                    f3[j] += gk * b * b
-                    f4[j] += gk * a * b
-        mx, my = np.empty(wv, np.float32), np.empty(wv, np.float32)
-        exx, eyy, exy = np.empty(wv, np.float32), np.empty(wv, np.float32), np.empty(wv, np.float32)
-        for i in range(i0, i1):
-            mx[:], my[:], exx[:], eyy[:], exy[:] = 0.0, 0.0, 0.0, 0.0, 0.0
-            for k in range(n):  # vertical pass
-                gk = g[k]
-                r = i - i0 + k
-                for j in range(wv):
-                    mx[j] += gk * rows[0, r, j]
-                    my[j] += gk * rows[1, r, j]
-                    exx[j] += gk * rows[2, r, j]
-                    eyy[j] += gk * rows[3, r, j]
-                    exy[j] += gk * rows[4, r, j]
+        # Rows this task sums the errors of: its band's, and the last band also those below it.
+        own_end = i1 if b < bands - 1 else h
+        if b == 0:
+            d_mu[c, :_PAD, :], d_xx[c, :_PAD, :], d_xy[c, :_PAD, :] = 0.0, 0.0, 0.0
+        if b == bands - 1:
+            d_mu[c, _PAD + hv:, :], d_xx[c, _PAD + hv:, :], d_xy[c, _PAD + hv:, :] = 0.0, 0.0, 0.0
+        terms = np.empty((5, w), np.float32)  # an input row's x, y, x^2, y^2, xy
+        # The last WINDOW horizontally filtered rows of each map, input row i at i % WINDOW: small
+        # enough (~100 KB at 480 wide) to stay in the core's cache and below malloc's mmap
+        # threshold (a whole band's rows were fresh pages, faulted in at every call).
+        rows = np.empty((5, WINDOW, wv), np.float32)
+        filtered, ssim = np.empty((5, wv), np.float32), np.empty(wv, np.float32)
+        for i in range(i0, i1 + WINDOW - 1):
+            for j in range(w):
+                a, bb = x[i, j, c], y[i, j, c]
+                terms[0, j], terms[1, j], terms[2, j], terms[3, j], terms[4, j] = a, bb, a * a, bb * bb, a * bb
+            if i < own_end:
+                a1, a2 = 0.0, 0.0
+                for j in range(w):
+                    a, bb = terms[0, j], terms[1, j]
+                    a1 += abs(np.float64(a) - np.float64(bb))
+                    e = np.float64(min(max(a, np.float32(0.0)), _ONE)) - np.float64(bb)
+                    a2 += e * e
+                l1[c * h + i], se[c * h + i] = a1, a2
+            for q in range(5):  # horizontal
+                _filter_row(terms[q], g, rows[q, i % WINDOW])
+            io = i - (WINDOW - 1)  # the valid row whose window has just been filled
+            if io < i0:
+                continue
+            for q in range(5):  # vertical
+                _filter_ring(rows[q], io, g, filtered[q])
+            o = _PAD + io
+            d_mu[c, o, :_PAD], d_xx[c, o, :_PAD], d_xy[c, o, :_PAD] = 0.0, 0.0, 0.0
+            d_mu[c, o, _PAD + wv:], d_xx[c, o, _PAD + wv:], d_xy[c, o, _PAD + wv:] = 0.0, 0.0, 0.0
+            _ssim_row(filtered, ssim, d_mu[c, o, _PAD:_PAD + wv], d_xx[c, o, _PAD:_PAD + wv],
+                      d_xy[c, o, _PAD:_PAD + wv])
             total = 0.0
             for j in range(wv):
-                m, u = mx[j], my[j]
-                a1, b1 = _TWO * m * u + _C1, m * m + u * u + _C1
-                a2, b2 = _TWO * (exy[j] - m * u) + _C2, (exx[j] - m * m) + (eyy[j] - u * u) + _C2
-                inv_b1, inv_b2 = _ONE / b1, _ONE / b2
-                lum, cs = a1 * inv_b1, a2 * inv_b2
-                s = lum * cs
-                total += s
-                # S = (a1 / b1)(a2 / b2); d/dm through a1 (2u), b1 (2m), a2 (-2u), b2 (-2m).
-                d_mu[c, i, j] = _TWO * ((u * cs - m * s) * inv_b1 + (m * s - u * lum) * inv_b2)
-                d_xx[c, i, j] = -s * inv_b2
-                d_xy[c, i, j] = _TWO * lum * inv_b2
-            sums[c * hv + i] = total
-    return sums, d_mu, d_xx, d_xy
+                total += ssim[j]
+            sums[c * hv + io] = total
+    return sums, l1, se, d_mu, d_xx, d_xy
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale):  # -> [H, W, C] float32 d (scale * SSIM) / dx
-    """Filter the partials with the transposed window (zero outside the valid region) and apply
-    the chain rule through E[x^2] (2x) and E[xy] (y)."""
-    nc, h, w = x.shape
-    n = g.size
-    hv, wv = h - n + 1, w - n + 1
+@njit(inline="always", fastmath=_NO_CONTRACT)
+def _filter_back(rows, r0, c0, g, out):  # out[j] = sum_k g[k] rows[r0 - k, c0 + j]: the transposed window down a column
+    for j in range(out.size):
+        acc = np.float32(0.0)
+        for k in range(WINDOW):
+            acc += g[k] * rows[r0 - k, c0 + j]
+        out[j] = acc
+
+
+@njit(inline="always", fastmath=_NO_CONTRACT)
+def _filter_row_back(src, g, out):  # out[j] = sum_k g[k] src[j + PAD - k]: the transposed window along a row
+    for j in range(out.size):
+        acc = np.float32(0.0)
+        for k in range(WINDOW):
+            acc += g[k] * src[j + _PAD - k]
+        out[j] = acc
+
+
+@njit(parallel=True, fastmath=_NO_CONTRACT, cache=True, nogil=True)
+def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale, l1_factor):
+    """-> [H, W, C] float32: d (scale * SSIM) / dx, plus sgn(x - y) * l1_factor (the L1 term's
+    gradient, added after rounding as autograd adds the two branches; 0 for SSIM alone). The
+    partials filtered with the transposed window (their zero border stands for the taps outside
+    the valid region), then the chain rule through E[x^2] (2x) and E[xy] (y)."""
+    h, w, nc = x.shape
+    wv = w - WINDOW + 1
     grad = np.empty((h, w, nc), np.float32)
-    for r in prange(nc * h):
-        c, i = r // h, r % h
-        v0, v1, v2 = np.zeros(wv, np.float32), np.zeros(wv, np.float32), np.zeros(wv, np.float32)
-        for k in range(n):  # vertical: rows i - k of the valid region
-            src = i - k
-            if 0 <= src < hv:
-                gk = g[k]
-                for j in range(wv):
-                    v0[j] += gk * d_mu[c, src, j]
-                    v1[j] += gk * d_xx[c, src, j]
-                    v2[j] += gk * d_xy[c, src, j]
-        o0, o1, o2 = np.zeros(w, np.float32), np.zeros(w, np.float32), np.zeros(w, np.float32)
-        for k in range(n):  # horizontal: column j feeds columns j .. j + n - 1
-            gk = g[k]
-            for j in range(wv):
-                o0[j + k] += gk * v0[j]
-                o1[j + k] += gk * v1[j]
-                o2[j + k] += gk * v2[j]
-        for j in range(w):
-            grad[i, j, c] = scale * (o0[j] + _TWO * x[c, i, j] * o1[j] + y[c, i, j] * o2[j])
+    for i in prange(h):
+        v = np.zeros((3, wv + 2 * _PAD), np.float32)  # zero columns around: the horizontal taps' border
+        o = np.empty((3, w), np.float32)
+        for c in range(nc):
+            for q, d in enumerate((d_mu, d_xx, d_xy)):
+                # vertical: valid rows i - k (padded i + PAD - k), then horizontal: valid columns j - k
+                _filter_back(d[c], i + _PAD, _PAD, g, v[q, _PAD:_PAD + wv])
+                _filter_row_back(v[q], g, o[q])
+            for j in range(w):
+                xv, yv = x[i, j, c], y[i, j, c]
+                s = scale * (o[0, j] + _TWO * xv * o[1, j] + yv * o[2, j])
+                grad[i, j, c] = s + np.sign(xv - yv) * l1_factor
     return grad
 
 
 class SsimPass:
     """SSIM of two [H, W, C] float32 CPU images, kept for its gradient: the fused forward once,
-    then `grad` of any multiple of it (the training loss's node and `ssim_cpu` both use it)."""
+    then `grad` of any multiple of it, with an L1 term's gradient added if asked (the training
+    loss's node and `ssim_cpu` both use it). The same pass sums the L1 and squared errors per row
+    (`l1_rows`, `se_rows`, [C * H] float64), which the training loss and its PSNR take."""
 
     def __init__(self, rendered: Tensor, target: Tensor) -> None:
-        self.x = rendered.detach().permute(2, 0, 1).contiguous().numpy()  # [C, H, W]
-        self.y = target.detach().permute(2, 0, 1).contiguous().numpy()
+        self.x = rendered.detach().contiguous().numpy()  # [H, W, C]
+        self.y = target.detach().contiguous().numpy()
         self.g = gaussian_window()
-        sums, self.d_mu, self.d_xx, self.d_xy = _ssim_forward(self.x, self.y, self.g)
-        self.value = float(np.float32(sums.sum() / self.d_mu.size))
+        h, w, c = self.x.shape
+        self.valid = c * (h - WINDOW + 1) * (w - WINDOW + 1)  # SSIM's mean is over these
+        sums, self.l1_rows, self.se_rows, self.d_mu, self.d_xx, self.d_xy = _ssim_forward(self.x, self.y, self.g)
+        self.value = float(np.float32(sums.sum() / self.valid))
 
-    def grad(self, grad_value: float) -> np.ndarray:  # -> [H, W, C] float32 d (grad_value * SSIM) / d rendered
-        scale = np.float32(grad_value / self.d_mu.size)
-        return _ssim_backward(self.x, self.y, self.g, self.d_mu, self.d_xx, self.d_xy, scale)
+    def grad(self, grad_value: float, l1_factor: np.float32 = np.float32(0.0)) -> np.ndarray:  # -> [H, W, C] float32
+        """d (grad_value * SSIM) / d rendered, plus sgn(rendered - target) * l1_factor."""
+        scale = np.float32(grad_value / self.valid)
+        return _ssim_backward(self.x, self.y, self.g, self.d_mu, self.d_xx, self.d_xy, scale, l1_factor)
 
 
 class _Ssim(torch.autograd.Function):

@@ -27,7 +27,7 @@ from pathlib import Path
 _TRAIN = Path(__file__).resolve().parents[2]
 # Every file that defines a kernel or a function a kernel inlines.
 _SOURCES = (*sorted(p for p in (_TRAIN / "render" / "cpu").glob("*.py") if p.name != "compiled.py"),
-            *(_TRAIN / f"{m}.py" for m in ("loss_cpu", "losses", "optim", "ssim", "stats")))
+            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "ssim", "stats")))
 _STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
 # The projection's float64 kernels: fused multiply-adds, reciprocals and reassociation (16% off the
@@ -37,14 +37,14 @@ FINITE_FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}  # a set: numba 
 
 
 def _dispatchers() -> list:
-    from train import loss_cpu, losses, optim, ssim, stats
+    from train import losses, optim, ssim, stats
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse.splat_records,
             binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
-            ssim._ssim_forward, ssim._ssim_backward, loss_cpu._error_rows, loss_cpu._add_l1_grad, stats._accumulate,
+            ssim._ssim_forward, ssim._ssim_backward, ssim._ssim_row, stats._accumulate,
             losses._add_reg_grads]
 
 
