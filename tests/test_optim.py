@@ -7,7 +7,8 @@ import torch
 
 from storage.schema import PARAM_NAMES, empty_state, param_shapes
 from train.assign import assign_cameras
-from train.optim import AdamConfig, LazyDense, SparseAdam, learning_rates, numpy_arrays, sparse_adam_step
+from train.optim import (MOMENT_COLUMNS, AdamConfig, LazyDense, SparseAdam, learning_rates, numpy_arrays,
+                         sparse_adam_step)
 from train.schedule import Schedule, locality_order, step_cameras
 
 
@@ -254,6 +255,39 @@ def test_dense_adam_leaves_rows_without_moments_as_they_are():
     assert block["adam_step"].tolist() == [4000] * 3
     with pytest.raises(ValueError, match="past the run"):
         lazy.catch_up(block, 5001)
+
+
+@pytest.mark.parametrize("parallel_rows", [10**9, 0])
+def test_arrays_kept_across_steps_bound_every_nonzero_moment(parallel_rows):
+    """The trainer keeps a block's `numpy_arrays` from step to step, with the columns past which
+    no moment is nonzero: steps at SH degree 0, then 1, then 0 again (shN's first 9 columns live
+    only in the middle steps) must leave every parameter and moment as fresh arrays and the full
+    update do, so the bound must grow when the degree does and the moments it let grow must
+    still decay afterwards."""
+    cfg, n = AdamConfig(), 400
+    lrs = learning_rates(cfg, 0, 100, scene_scale=2.0)
+    g = torch.Generator().manual_seed(9)
+    start = {name: torch.randn((n, *shape), generator=g) for name, shape in param_shapes(3).items()}
+    start.update({k: torch.from_numpy(v) for k, v in empty_state(n, 3).items()})
+    mask = torch.rand(n, generator=g) < 0.8
+    schedule = [0, 0, 0, 9, 9, 9, 0, 0, 0]  # shN's live columns at each step
+    kept_block = {k: t.clone() for k, t in start.items()}
+    kept = numpy_arrays(kept_block)
+    full_block = {k: t.clone() for k, t in start.items()}
+    bounds = []
+    for step, live in enumerate(schedule, start=1):
+        grads = {k: torch.randn(start[k].shape, generator=g.manual_seed(step)) for k in PARAM_NAMES}
+        grads["shN"].reshape(n, -1)[:, live:] = 0.0
+        SparseAdam(grads, mask, lrs, cfg, global_step=step, parallel_rows=parallel_rows,
+                   grad_columns={"shN": live}).step(kept_block, 0, kept)
+        SparseAdam(grads, mask, lrs, cfg, global_step=step, parallel_rows=parallel_rows).step(
+            full_block, 0, numpy_arrays(full_block))
+        bounds.append(int(kept[MOMENT_COLUMNS][PARAM_NAMES.index("shN")]))
+    assert bounds == [0, 0, 0, 9, 9, 9, 9, 9, 9]
+    for k in full_block:
+        assert torch.equal(kept_block[k], full_block[k]), k
+    late = full_block["exp_avg_sq_shN"].reshape(n, -1)[:, :9]
+    assert (late[mask] > 0).all()  # the middle steps' moments were there to decay in the last ones
 
 
 @pytest.mark.parametrize("parallel_rows", [10**9, 0])

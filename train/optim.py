@@ -69,9 +69,9 @@ def learning_rates(cfg: AdamConfig, step: int, max_steps: int, scene_scale: floa
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _any_nonzero(m, v, r, lo):  # m, v [N, D] float32 -> whether any of m[r, lo:], v[r, lo:] is nonzero
+def _any_nonzero(m, v, r, lo, hi):  # m, v [N, D] float32 -> whether any of m[r, lo:hi], v[r, lo:hi] is nonzero
     nz = 0
-    for j in range(lo, m.shape[1]):
+    for j in range(lo, hi):
         nz |= (m[r, j] != 0) | (v[r, j] != 0)
     return nz != 0
 
@@ -79,11 +79,12 @@ def _any_nonzero(m, v, r, lo):  # m, v [N, D] float32 -> whether any of m[r, lo:
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
 # an element; with reciprocals and fused multiply-adds allowed it costs ~4.
 @numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
-def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols):
+def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols, hi):
     """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
     rows at lo..lo+N, zero past its first `cols` columns (shN's coefficients above the SH degree
-    in use); rows [R] the block rows to update, bc1 [R] float64 and inv_bc2_sqrt [R] float32 their
-    bias corrections (`_bias_corrections`)."""
+    in use); m and v zero in every row past column `hi` (`moment_columns`); rows [R] the block rows
+    to update, bc1 [R] float64 and inv_bc2_sqrt [R] float32 their bias corrections
+    (`_bias_corrections`)."""
     b1f, b2f, c1, c2 = np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2)
     epsf = np.float32(eps)
     for i in range(rows.shape[0]):
@@ -101,9 +102,11 @@ def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, col
         # trained, the most of a row in the first thousands of steps): neither they nor the
         # gradient are read or written; moments left from an earlier run still decay. The tail is
         # first tested whole (a vectorised reduction): column by column it cost half of Adam.
-        if not _any_nonzero(m, v, r, cols):
+        # Past `hi` it is known zero in every row and not even tested: at SH degree 0 that test
+        # read shN's moments, most of Adam's memory traffic.
+        if not _any_nonzero(m, v, r, cols, hi):
             continue
-        for j in range(cols, p.shape[1]):
+        for j in range(cols, hi):
             if m[r, j] == 0 and v[r, j] == 0:
                 continue
             mj = b1f * m[r, j]
@@ -133,19 +136,20 @@ _CHUNKS = 16  # pieces of the rows handed to the threads (rows differ in nothing
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _adam_rows_parallel(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols):
+def _adam_rows_parallel(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols, hi):
     """`_adam_rows_cpu` on pieces of `rows` at once: each row still takes the very same compiled
     arithmetic, so its result does not depend on which thread ran it or on how many there are."""
     r = rows.shape[0]
     for c in prange(_CHUNKS):
         a, b = r * c // _CHUNKS, r * (c + 1) // _CHUNKS
-        _adam_rows_cpu(p, g, m, v, rows[a:b], bc1[a:b], inv_bc2_sqrt[a:b], lo, lr, b1, b2, eps, cols)
+        _adam_rows_cpu(p, g, m, v, rows[a:b], bc1[a:b], inv_bc2_sqrt[a:b], lo, lr, b1, b2, eps, cols, hi)
 
 
 @numba.njit(cache=True, nogil=True)
-def _adam_block_cpu(ps, gs, ms, vs, lrs, cols, adam_step, lo, mask, b1, b2, eps, global_step, parallel_rows):  # -> rows stepped
+def _adam_block_cpu(ps, gs, ms, vs, lrs, cols, bounds, adam_step, lo, mask, b1, b2, eps, global_step, parallel_rows):  # -> rows stepped
     """ps, ms, vs: tuples of a block's [N, D_k] float32 arrays; gs: the batch's [M, D_k]; lrs [K];
-    cols [K] the gradients' leading columns that may be nonzero (`_adam_rows_cpu`);
+    cols [K] the gradients' leading columns that may be nonzero (`_adam_rows_cpu`); bounds [K] the
+    block's `moment_columns`, raised to cols where rows were stepped;
     adam_step [N] int32, advanced on the rows whose mask[lo + row] is set; bias correction by
     each row's count, or by global_step where it is positive; split over the cores from
     parallel_rows rows."""
@@ -160,9 +164,12 @@ def _adam_block_cpu(ps, gs, ms, vs, lrs, cols, adam_step, lo, mask, b1, b2, eps,
     bc1, inv = _bias_corrections(step[:k], b1, b2)
     for j in range(len(ps)):
         if k >= parallel_rows:
-            _adam_rows_parallel(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j])
+            _adam_rows_parallel(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j],
+                                bounds[j])
         else:
-            _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j])
+            _adam_rows_cpu(ps[j], gs[j], ms[j], vs[j], rows[:k], bc1, inv, lo, lrs[j], b1, b2, eps, cols[j], bounds[j])
+        if k > 0:
+            bounds[j] = max(bounds[j], cols[j])
     return k
 
 
@@ -222,12 +229,32 @@ def _adam_rows_torch(
 _UPDATED = tuple(f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES)
 
 
+MOMENT_COLUMNS = "moment_columns"  # the key of `numpy_arrays`'s bounds
+
+
+def moment_columns(arrays: dict[str, np.ndarray]) -> np.ndarray:  # -> [len(PARAM_NAMES)] int64
+    """Per parameter, one past the last column (of its [N, D] arrays) where any row's Adam moment
+    is nonzero: the compiled step tests no column past it. Kept with the arrays and raised by
+    each step, it stays an upper bound as long as nothing but the step makes a moment nonzero in
+    place; whatever replaces a block's tensors (paging, densification) makes new arrays, and with
+    them a new scan."""
+    bounds = np.zeros(len(PARAM_NAMES), np.int64)
+    for j, x in enumerate(PARAM_NAMES):
+        live = np.flatnonzero((arrays[f"exp_avg_{x}"] != 0).any(axis=0) | (arrays[f"exp_avg_sq_{x}"] != 0).any(axis=0))
+        bounds[j] = live[-1] + 1 if live.size else 0
+    return bounds
+
+
 def numpy_arrays(tensors: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
-    """The tensors as numpy arrays [N, D] sharing their memory, as `SparseAdam.step` takes them;
-    None unless all are contiguous CPU tensors (the compiled step updates them in place)."""
+    """The tensors as numpy arrays [N, D] sharing their memory, as `SparseAdam.step` takes them,
+    and their `moment_columns` (under MOMENT_COLUMNS); None unless all are contiguous CPU tensors
+    (the compiled step updates them in place)."""
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
         return None
-    return {name: t.reshape(t.shape[0], math.prod(t.shape[1:])).numpy() for name, t in tensors.items()}
+    arrays = {name: t.reshape(t.shape[0], math.prod(t.shape[1:])).numpy() for name, t in tensors.items()}
+    if all(f"{prefix}{x}" in arrays for prefix in ("exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES):
+        arrays[MOMENT_COLUMNS] = moment_columns(arrays)
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -436,8 +463,8 @@ class SparseAdam:
             # the step counts) cost more than the arithmetic of a small block.
             g, m, lr, cols = self._compiled
             p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
-            return int(_adam_block_cpu(p, g, ms, vs, lr, cols, arrays["adam_step"].reshape(-1), lo, m, b1, b2, eps,
-                                       self.global_step, self.parallel_rows))
+            return int(_adam_block_cpu(p, g, ms, vs, lr, cols, arrays[MOMENT_COLUMNS], arrays["adam_step"].reshape(-1),
+                                       lo, m, b1, b2, eps, self.global_step, self.parallel_rows))
         rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
         if rows.numel() == 0:
             return 0
