@@ -5,8 +5,9 @@ SSIM's maps, gradient sums: tens of MB at 50k Gaussians). glibc serves arrays ab
 threshold (dynamic, at most 32 MiB) with fresh mappings, and gives the top of the heap back once
 more than its trim threshold is free; either way the next step's arrays are fresh pages, faulted
 in one by one at first write while every thread of the process waits on the same lock. Raising
-both thresholds once, at start-up, keeps that memory mapped: a 50k-Gaussian step went from 45.7
-to 42.9 ms (docs/benchmarks.md, ## opensplat).
+both thresholds once, at start-up, keeps that memory mapped: a 50k-Gaussian step went from 53.5
+and 52.9 ms to 49.4 and 51.7 (docs/benchmarks.md, ## opensplat), with 2.5 MiB more peak RSS; a
+256 MiB trim threshold measured the same as 64.
 
 What this keeps resident is bounded by the trim threshold and is part of what `--memory-mb`'s
 ceiling measures (`train.memory`). Cached blocks are separate mappings (`storage.blockio`) and
@@ -21,7 +22,7 @@ import ctypes.util
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts: arrays up to this size come from the heap
-TRIM_THRESHOLD = 256 << 20  # free memory at the heap's top kept for reuse
+TRIM_THRESHOLD = 64 << 20  # free memory at the heap's top kept for reuse
 
 
 def retain_freed_memory() -> bool:
