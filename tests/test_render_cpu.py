@@ -13,7 +13,7 @@ from train.render import RenderError, Splats2D, rasterize
 from train.render.cpu.binning import bin_tiles
 from train.render.cpu import kernels
 from train.render.cpu.ellipse import (
-    CA, CB, CC, DEGENERATE, DEPTH, HALF_X, HALF_Y, LEVEL, MX, MY, splat_records, tile_box,
+    CA, CB, CC, DEGENERATE, DEPTH, HALF_X, HALF_Y, LEVEL, MX, MY, tile_box,
 )
 from train.render.reference import rasterize_dense
 from train.render.semantics import ALPHA_MIN, RADIUS_SIGMAS
@@ -110,7 +110,7 @@ def shaped(splats: Splats2D, major: float, minor: float, seed: int) -> Splats2D:
 def stepped_fraction(splats: Splats2D, width: int, height: int) -> float:
     """The share of (splat, half tile) boxes whose exp(-sigma) the kernels step down the rows."""
     arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
-    bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), width, height)
+    bins = bin_tiles(*arrays, splats.radii.numpy(), width, height)
     stepped = total = 0
     for tile in range(len(bins.offsets) - 1):
         x0, y0 = tile % bins.tiles_x * 16, tile // bins.tiles_x * 16
@@ -153,7 +153,7 @@ def test_tile_lists_hold_every_tile_the_ellipse_reaches(shape):
     splats = {"round": shaped(base, 6.0, 5.0, seed=3), "needles": shaped(base, 30.0, 0.4, seed=4),
               "large": shaped(base, 25.0, 9.0, seed=6)}[shape]
     arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
-    bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), width, height)
+    bins = bin_tiles(*arrays, splats.radii.numpy(), width, height)
     listed = {(int(g), tile) for tile in range(len(bins.offsets) - 1)
               for g in bins.gids[bins.offsets[tile]:bins.offsets[tile + 1]]}
     reached, least = exact_tiles(bins, width, height)
@@ -268,7 +268,7 @@ def test_visibility_scan_matches_the_kernel():
     splats = random_splats(500, 50, 40, seed=9, size=5.0)
     out = rasterize(splats, camera(50, 40), BACKGROUND)
     arrays = [t.numpy() for t in (splats.means2d, splats.conics, splats.opacities, splats.colors, splats.depths)]
-    bins = bin_tiles(splat_records(*arrays), splats.radii.numpy(), 50, 40)
+    bins = bin_tiles(*arrays, splats.radii.numpy(), 50, 40)
     contributed, sat_depth = tile_visibility(splats.means2d, splats.conics, splats.opacities, splats.depths,
                                              torch.from_numpy(bins.offsets), torch.from_numpy(bins.rows()), 50, 40)
     assert torch.equal(contributed, out.contributed)

@@ -5,10 +5,10 @@ ellipse reaches one of the tile's pixel centres; that drops about a fifth of the
 changes no pixel. Lists are ordered by depth, as gsplat's sort of (tile, depth) keys does, but
 with ties broken by the splats' contents instead of their row (see `_TIE_FIELDS`).
 
-The records are first permuted into depth order, and everything after works on that copy: the
-tile sort then reads its candidates as one stream (in row order it missed the cache once per
-splat: 12 of the binning's 16 ms at 50k splats), and each tile's list reads records at rising
-addresses.
+The splats are first sorted by depth (from their inputs) and their records written in that
+order (`ellipse.splat_records`), and everything after works on them: the tile sort then reads its
+candidates as one stream (in row order it missed the cache once per splat: 12 of the binning's
+16 ms at 50k splats), and each tile's list reads records at rising addresses.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from train.render.cpu.ellipse import (
-    BLUE, CA, CB, CC, DEGENERATE, DEPTH, GREEN, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, OPACITY, RED, band_span,
+    BLUE, CA, CB, CC, DEGENERATE, GREEN, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, OPACITY, RED, band_span, splat_records,
 )
 from train.render.semantics import TILE_SIZE
 
@@ -50,41 +50,50 @@ class Bins:
 
 @njit(parallel=True, cache=True, nogil=True)
 def _candidate_boxes(records, radii, order, tiles_x, tiles_y):
-    """The records in depth order [M, RECORD], and gsplat's candidate tiles of each from the
-    integer radii, boxes [M, 4] int64 tx0, tx1, ty0, ty1 (end exclusive; empty for dead splats)
-    and sizes [M]. numba's parallel gather is ~5x faster than numpy's fancy indexing here."""
+    """gsplat's candidate tiles of each record [M, RECORD] (depth order; record i is input row
+    order[i]) from the integer radii [M, 2] of the input rows: boxes [M, 4] int64 tx0, tx1, ty0,
+    ty1 (end exclusive; empty for dead splats) and sizes [M]."""
     m = records.shape[0]
-    ordered = np.empty_like(records)
     boxes = np.zeros((m, 4), np.int64)
     sizes = np.zeros(m, np.int64)
     for i in prange(m):
         g = order[i]
-        for col in range(records.shape[1]):
-            ordered[i, col] = records[g, col]
         rx, ry = radii[g, 0], radii[g, 1]
-        if rx <= 0 or ry <= 0 or records[g, LEVEL] < 0.0:
+        if rx <= 0 or ry <= 0 or records[i, LEVEL] < 0.0:
             continue
-        mx, my = float(records[g, MX]), float(records[g, MY])
+        mx, my = float(records[i, MX]), float(records[i, MY])
         tx0 = min(max(0, int(np.floor((mx - rx) / TILE_SIZE))), tiles_x)
         tx1 = min(max(0, int(np.ceil((mx + rx) / TILE_SIZE))), tiles_x)
         ty0 = min(max(0, int(np.floor((my - ry) / TILE_SIZE))), tiles_y)
         ty1 = min(max(0, int(np.ceil((my + ry) / TILE_SIZE))), tiles_y)
         boxes[i, 0], boxes[i, 1], boxes[i, 2], boxes[i, 3] = tx0, tx1, ty0, ty1
         sizes[i] = (tx1 - tx0) * (ty1 - ty0)
-    return ordered, boxes, sizes
+    return boxes, sizes
 
 
 # Ties in depth are broken by these record fields, not by row: the order then does not depend on
 # how splats were concatenated (by rank, by block), so a split render equals a single-process one.
+# The sort reads them from the splats' inputs, of which the records hold copies (`_tie_key`).
 _TIE_FIELDS = (MX, MY, OPACITY, CA, CB, CC, RED, GREEN, BLUE)
-_TIE_FIELDS_LAST_FIRST = _TIE_FIELDS[::-1]
+
+
+@njit(inline="always")
+def _tie_key(means2d, conics, opacities, colors, row, k):  # -> the input value of _TIE_FIELDS[k] of a row
+    if k < 2:
+        return means2d[row, k]
+    if k == 2:
+        return opacities[row]
+    if k < 6:
+        return conics[row, k - 3]
+    return colors[row, k - 6]
 
 
 @njit(cache=True, nogil=True)
-def _tie_before(records, a, b):  # whether row a sorts strictly before row b by `_TIE_FIELDS`
-    for f in _TIE_FIELDS:
-        if records[a, f] != records[b, f]:
-            return records[a, f] < records[b, f]
+def _tie_before(means2d, conics, opacities, colors, a, b):  # whether row a sorts strictly before row b
+    for k in range(len(_TIE_FIELDS)):
+        va, vb = _tie_key(means2d, conics, opacities, colors, a, k), _tie_key(means2d, conics, opacities, colors, b, k)
+        if va != vb:
+            return va < vb
     return False
 
 
@@ -92,22 +101,25 @@ _SHORT_RUN = 16  # runs of equal depth up to this long are sorted in place by in
 
 
 @njit(cache=True, nogil=True)
-def _insertion_sort_ties(records, order, start, end):
+def _insertion_sort_ties(means2d, conics, opacities, colors, order, start, end):
     """Stable insertion sort of order[start:end] by `_TIE_FIELDS`: the same order as `_sort_ties`
     for the short runs float32 depths collide in (mostly pairs), without its nine sorts' arrays."""
     for i in range(start + 1, end):
         row = order[i]
         j = i
-        while j > start and _tie_before(records, row, order[j - 1]):
+        while j > start and _tie_before(means2d, conics, opacities, colors, row, order[j - 1]):
             order[j] = order[j - 1]
             j -= 1
         order[j] = row
 
 
 @njit(cache=True, nogil=True)
-def _sort_ties(records, run):  # [L] int32 rows of equal depth -> sorted by _TIE_FIELDS
-    for f in _TIE_FIELDS_LAST_FIRST:  # least significant first, each sort stable
-        run = run[np.argsort(records[run, f], kind="mergesort")]
+def _sort_ties(means2d, conics, opacities, colors, run):  # [L] int32 rows of equal depth -> sorted by _TIE_FIELDS
+    values = np.empty(run.size, np.float32)
+    for k in range(len(_TIE_FIELDS) - 1, -1, -1):  # least significant first, each sort stable
+        for i in range(run.size):
+            values[i] = _tie_key(means2d, conics, opacities, colors, run[i], k)
+        run = run[np.argsort(values, kind="mergesort")]
     return run
 
 
@@ -151,13 +163,13 @@ def _radix_pass(keys, order, shift, chunks, out_keys, out_order):  # -> False if
 
 
 @njit(cache=True, nogil=True)
-def _argsort_depth(records, chunks):  # [M, RECORD] -> [M] int32: by depth, then by `_TIE_FIELDS`
+def _argsort_depth(means2d, conics, opacities, colors, depths, chunks):  # -> [M] int32: by depth, then by `_TIE_FIELDS`
     """LSD radix sort on the depth's float bits, 4 passes of 8 bits (numpy's stable float sort is
     a merge sort, ~10x slower here), each split over `chunks` threads, and skipped where all keys
     share the digit (the exponent's, mostly); then each run of equal depth is sorted by
     `_TIE_FIELDS`."""
-    m = records.shape[0]
-    bits = np.ascontiguousarray(records[:, DEPTH]).view(np.uint32)
+    m = depths.size
+    bits = depths.view(np.uint32)
     # Flip so unsigned order is float order: all bits of negatives, the sign bit of the rest.
     keys = np.where(bits >> np.uint32(31) == np.uint32(1), ~bits, bits | np.uint32(0x80000000))
     order = np.arange(m).astype(np.int32)
@@ -170,9 +182,9 @@ def _argsort_depth(records, chunks):  # [M, RECORD] -> [M] int32: by depth, then
     for i in range(1, m + 1):
         if i == m or keys[i] != keys[start]:
             if 1 < i - start <= _SHORT_RUN:
-                _insertion_sort_ties(records, order, start, i)
+                _insertion_sort_ties(means2d, conics, opacities, colors, order, start, i)
             elif i - start > _SHORT_RUN:
-                order[start:i] = _sort_ties(records, order[start:i].copy())
+                order[start:i] = _sort_ties(means2d, conics, opacities, colors, order[start:i].copy())
             start = i
     return order
 
@@ -246,13 +258,16 @@ def _sort_by_tile(candidates, starts, n_tiles, chunks):
     return offsets, gids, hit_starts, hit_slots
 
 
-def bin_tiles(records: np.ndarray, radii: np.ndarray, width: int, height: int) -> Bins:
-    """records [M, 16] from `splat_records`, radii [M, 2] int32."""
+def bin_tiles(means2d: np.ndarray, conics: np.ndarray, opacities: np.ndarray, colors: np.ndarray,
+              depths: np.ndarray, radii: np.ndarray, width: int, height: int) -> Bins:
+    """The splats ([M, 2], [M, 3], [M], [M, 3], [M] float32 contiguous, radii [M, 2] int32)
+    sorted, recorded (`ellipse.splat_records`) and binned."""
     tiles_x = -(-width // TILE_SIZE)
     tiles_y = -(-height // TILE_SIZE)
     chunks = numba.get_num_threads()
-    order = _argsort_depth(records, chunks)
-    records, boxes, sizes = _candidate_boxes(records, radii, order, tiles_x, tiles_y)
+    order = _argsort_depth(means2d, conics, opacities, colors, depths, chunks)
+    records = splat_records(means2d, conics, opacities, colors, depths, order)
+    boxes, sizes = _candidate_boxes(records, radii, order, tiles_x, tiles_y)
     starts = np.zeros(len(records) + 1, np.int64)
     np.cumsum(sizes, out=starts[1:])
     candidates = np.empty(starts[-1], np.int32)

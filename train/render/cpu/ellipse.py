@@ -24,35 +24,48 @@ _ALPHA_MIN32 = np.float32(ALPHA_MIN)
 SPAN_EPS = np.float32(1e-3)  # pixels added to each end of a row or column span
 
 
+def splat_records(means2d: np.ndarray, conics: np.ndarray, opacities: np.ndarray, colors: np.ndarray,
+                  depths: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:  # -> [M, RECORD] float32
+    """One contiguous record a splat: the inputs ([M, 2], [M, 3], [M], [M, 3], [M] float32) plus
+    its support ellipse in the forms the kernels use; record i is input row order[i] ([M] int32,
+    default: row i)."""
+    if order is None:
+        order = np.arange(len(means2d), dtype=np.int32)
+    return _records(means2d, conics, opacities, colors, depths, order)
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def splat_records(means2d, conics, opacities, colors, depths):  # [M,2],[M,3],[M],[M,3],[M] -> [M,16]
-    """One contiguous record a splat: the inputs plus its support ellipse in the forms the kernels use."""
-    m = means2d.shape[0]
+def _records(means2d, conics, opacities, colors, depths, order):
+    """`splat_records`. Written in the order the kernels read (depth order): built in row order and
+    then permuted, the records were written once and gathered at random once more (~1 ms a step
+    at 50k splats, from memory the step had moved on from)."""
+    m = order.size
     rec = np.zeros((m, RECORD), np.float32)
-    for g in prange(m):
+    for i in prange(m):
+        g = order[i]
         a, b, c, o = conics[g, 0], conics[g, 1], conics[g, 2], opacities[g]
-        rec[g, MX], rec[g, MY] = means2d[g, 0], means2d[g, 1]
-        rec[g, CA], rec[g, CB], rec[g, CC], rec[g, OPACITY] = a, b, c, o
-        rec[g, RED], rec[g, GREEN], rec[g, BLUE] = colors[g, 0], colors[g, 1], colors[g, 2]
-        rec[g, DEPTH] = depths[g]
+        rec[i, MX], rec[i, MY] = means2d[g, 0], means2d[g, 1]
+        rec[i, CA], rec[i, CB], rec[i, CC], rec[i, OPACITY] = a, b, c, o
+        rec[i, RED], rec[i, GREEN], rec[i, BLUE] = colors[g, 0], colors[g, 1], colors[g, 2]
+        rec[i, DEPTH] = depths[g]
         if o < _ALPHA_MIN32:
-            rec[g, LEVEL] = -1.0  # no pixel can pass the alpha test
-            rec[g, HALF_X] = -1.0
-            rec[g, HALF_Y] = -1.0
+            rec[i, LEVEL] = -1.0  # no pixel can pass the alpha test
+            rec[i, HALF_X] = -1.0
+            rec[i, HALF_Y] = -1.0
             continue
         threshold = math.log(float(o) / ALPHA_MIN)
-        rec[g, THRESHOLD] = threshold
+        rec[i, THRESHOLD] = threshold
         level = threshold * (1.0 + _WIDEN_REL) + _WIDEN_ABS
-        rec[g, LEVEL] = level
+        rec[i, LEVEL] = level
         det = float(a) * float(c) - float(b) * float(b)
         if a > 0.0 and det > 0.0:
             # Half extents of the ellipse, sqrt(2 L Sigma_xx) and sqrt(2 L Sigma_yy), Sigma = conic^-1.
-            rec[g, HALF_X] = math.sqrt(2.0 * level * c / det)
-            rec[g, HALF_Y] = math.sqrt(2.0 * level * a / det)
-            rec[g, INV_A], rec[g, INV_C] = 1.0 / a, 1.0 / c
+            rec[i, HALF_X] = math.sqrt(2.0 * level * c / det)
+            rec[i, HALF_Y] = math.sqrt(2.0 * level * a / det)
+            rec[i, INV_A], rec[i, INV_C] = 1.0 / a, 1.0 / c
         else:
-            rec[g, HALF_X] = DEGENERATE
-            rec[g, HALF_Y] = DEGENERATE
+            rec[i, HALF_X] = DEGENERATE
+            rec[i, HALF_Y] = DEGENERATE
     return rec
 
 

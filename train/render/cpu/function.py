@@ -8,7 +8,6 @@ from torch import Tensor
 
 from train.render.cpu import kernels
 from train.render.cpu.binning import bin_tiles
-from train.render.cpu.ellipse import splat_records
 from train.render.splats2d import GRAD_FLOATS, RasterOutput, Splats2D, unpack_grads
 
 # Tiles differ in cost by orders of magnitude (sky vs foliage): hand them out one at a time.
@@ -25,8 +24,8 @@ class _Rasterize(torch.autograd.Function):
     def forward(ctx, means2d: Tensor, conics: Tensor, opacities: Tensor, colors: Tensor,
                 depths: Tensor, radii: Tensor, width: int, height: int, background: Tensor,
                 absgrad: list | None, packed: list | None):
-        records = splat_records(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths))
-        bins = bin_tiles(records, radii.detach().to(torch.int32).contiguous().numpy(), width, height)
+        bins = bin_tiles(_array(means2d), _array(conics), _array(opacities), _array(colors), _array(depths),
+                         radii.detach().to(torch.int32).contiguous().numpy(), width, height)
         records = bins.records  # in depth order: the kernels index these, and results map back by bins.order
         bg = _array(background)
         rgb = np.empty((height, width, 3), np.float32)
