@@ -153,9 +153,13 @@ class OcclusionCuller:
         self.max_waves = max_waves
         self.last: dict[str, list[str]] = {}  # camera name -> its kept blocks when last culled
 
-    def _nearest_first(self, camera: Camera, world: Region) -> np.ndarray:  # -> [F] world rows
+    def _nearest_first(self, camera: Camera, world: Region,
+                       visible: list[str] | None = None) -> np.ndarray:  # -> [F] world rows
+        """The frustum's blocks (`visible`, world.visible(camera) where None: what the step would
+        page) as rows of `world`, nearest first."""
         row = {k: i for i, k in enumerate(world.keys)}
-        frustum = np.array([row[k] for k in world.visible(camera)], dtype=np.int64)  # what the step would page
+        keys = world.visible(camera) if visible is None else visible
+        frustum = np.array([row[k] for k in keys], dtype=np.int64)
         return frustum[front_to_back(world.extents[frustum], camera.viewmat)]
 
     def _wave(self, pending: np.ndarray, depth: np.ndarray) -> np.ndarray:  # [P] sorted by depth, [F] -> [W]
@@ -180,8 +184,9 @@ class OcclusionCuller:
                 keys.append([world.keys[i] for i in order[self._wave(np.arange(len(order)), depth)]])
         return owned.union(keys)
 
-    def start(self, camera: Camera, world: Region) -> CameraPass:
-        order = self._nearest_first(camera, world)
+    def start(self, camera: Camera, world: Region, visible: list[str] | None = None) -> CameraPass:
+        """A pass over the camera's frustum; `visible`: its blocks, where the caller has them."""
+        order = self._nearest_first(camera, world, visible)
         foot = box_footprints(world.extents[order], camera.viewmat, camera.K, camera.width, camera.height)
         return CameraPass(order, foot, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool))
 

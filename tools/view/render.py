@@ -150,7 +150,8 @@ class FrustumRenderer:
     @torch.no_grad()
     def _render(self, camera: Camera, cancelled: Callable[[], bool]) -> tuple[Tensor, FrameStats]:
         start = time.perf_counter()
-        keys = [k for k in self.visible(camera) if k not in self.bad]
+        frustum = self.visible(camera)
+        keys = [k for k in frustum if k not in self.bad]
         assert self.cache is not None
         stats = FrameStats(width=camera.width, height=camera.height)
         misses, read = self.cache.stats.misses, self.cache.stats.bytes_read
@@ -159,7 +160,7 @@ class FrustumRenderer:
         parts: list[Splats2D] = []
         drawn: list[str] = []
         if self.culler is not None:
-            keys = self._waves(camera, merged, parts, drawn, stats, cancelled)
+            keys = self._waves(camera, frustum, merged, parts, drawn, stats, cancelled)
         drawn += self._draw(keys, camera, merged, parts, stats, cancelled)
         table = self.store.table
         stats.gaussians = sum(table[k].count for k in drawn)
@@ -171,12 +172,13 @@ class FrustumRenderer:
         stats.seconds = time.perf_counter() - start
         return rgb, stats
 
-    def _waves(self, camera: Camera, merged: dict[str, Slot], parts: list[Splats2D], drawn: list[str],
-               stats: FrameStats, cancelled: Callable[[], bool]) -> list[str]:
-        """The culling pass: draws its waves into `parts` (their blocks into `drawn`) and returns
-        the blocks left to draw, Morton order; the frustum's others are culled."""
+    def _waves(self, camera: Camera, frustum: list[str], merged: dict[str, Slot], parts: list[Splats2D],
+               drawn: list[str], stats: FrameStats, cancelled: Callable[[], bool]) -> list[str]:
+        """The culling pass over the `frustum`'s blocks: draws its waves into `parts` (their blocks
+        into `drawn`) and returns the blocks left to draw, Morton order; the frustum's others are
+        culled."""
         assert self.culler is not None and self.region is not None
-        p = self.culler.start(camera, self.region)
+        p = self.culler.start(camera, self.region, frustum)
         keys = self.region.keys
         for _ in range(self.culler.max_waves):
             take = self.culler.next_wave(p)
