@@ -3,7 +3,7 @@
 Candidates are the tiles of gsplat's radius box (`isect_tiles`), kept only if the splat's support
 ellipse reaches one of the tile's pixel centres; that drops about a fifth of the box's tiles and
 changes no pixel. Lists are ordered by depth, as gsplat's sort of (tile, depth) keys does, but
-with ties broken by the splats' contents instead of their row (see `_TIE_FIELDS`).
+with ties broken by the splats' contents instead of their row (see `_tie_key`).
 
 The splats are first sorted by depth (from their inputs) and their records written in that
 order (`ellipse.splat_records`), and everything after works on them: the tile sort then reads its
@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from train.render.cpu.ellipse import (
-    BLUE, CA, CB, CC, DEGENERATE, GREEN, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, OPACITY, RED, band_span, splat_records,
+    CA, CB, CC, DEGENERATE, HALF_Y, INV_A, INV_C, LEVEL, MX, MY, band_span, splat_records,
 )
 from train.render.semantics import TILE_SIZE
 
@@ -71,14 +71,15 @@ def _candidate_boxes(records, radii, order, tiles_x, tiles_y):
     return boxes, sizes
 
 
-# Ties in depth are broken by these record fields, not by row: the order then does not depend on
+# Ties in depth are broken by the splats' contents, not by row: the order then does not depend on
 # how splats were concatenated (by rank, by block), so a split render equals a single-process one.
-# The sort reads them from the splats' inputs, of which the records hold copies (`_tie_key`).
-_TIE_FIELDS = (MX, MY, OPACITY, CA, CB, CC, RED, GREEN, BLUE)
+_TIE_KEYS = 9
 
 
 @njit(inline="always")
-def _tie_key(means2d, conics, opacities, colors, row, k):  # -> the input value of _TIE_FIELDS[k] of a row
+def _tie_key(means2d, conics, opacities, colors, row, k):  # -> key k < _TIE_KEYS of a row
+    """The keys, most significant first: mean x, mean y, opacity, conic a, b, c, red, green, blue
+    (read from the inputs, of which the records hold copies)."""
     if k < 2:
         return means2d[row, k]
     if k == 2:
@@ -90,7 +91,7 @@ def _tie_key(means2d, conics, opacities, colors, row, k):  # -> the input value 
 
 @njit(cache=True, nogil=True)
 def _tie_before(means2d, conics, opacities, colors, a, b):  # whether row a sorts strictly before row b
-    for k in range(len(_TIE_FIELDS)):
+    for k in range(_TIE_KEYS):
         va, vb = _tie_key(means2d, conics, opacities, colors, a, k), _tie_key(means2d, conics, opacities, colors, b, k)
         if va != vb:
             return va < vb
@@ -102,7 +103,7 @@ _SHORT_RUN = 16  # runs of equal depth up to this long are sorted in place by in
 
 @njit(cache=True, nogil=True)
 def _insertion_sort_ties(means2d, conics, opacities, colors, order, start, end):
-    """Stable insertion sort of order[start:end] by `_TIE_FIELDS`: the same order as `_sort_ties`
+    """Stable insertion sort of order[start:end] by `_tie_key`: the same order as `_sort_ties`
     for the short runs float32 depths collide in (mostly pairs), without its nine sorts' arrays."""
     for i in range(start + 1, end):
         row = order[i]
@@ -114,9 +115,9 @@ def _insertion_sort_ties(means2d, conics, opacities, colors, order, start, end):
 
 
 @njit(cache=True, nogil=True)
-def _sort_ties(means2d, conics, opacities, colors, run):  # [L] int32 rows of equal depth -> sorted by _TIE_FIELDS
+def _sort_ties(means2d, conics, opacities, colors, run):  # [L] int32 rows of equal depth -> sorted by `_tie_key`
     values = np.empty(run.size, np.float32)
-    for k in range(len(_TIE_FIELDS) - 1, -1, -1):  # least significant first, each sort stable
+    for k in range(_TIE_KEYS - 1, -1, -1):  # least significant first, each sort stable
         for i in range(run.size):
             values[i] = _tie_key(means2d, conics, opacities, colors, run[i], k)
         run = run[np.argsort(values, kind="mergesort")]
@@ -163,11 +164,11 @@ def _radix_pass(keys, order, shift, chunks, out_keys, out_order):  # -> False if
 
 
 @njit(cache=True, nogil=True)
-def _argsort_depth(means2d, conics, opacities, colors, depths, chunks):  # -> [M] int32: by depth, then by `_TIE_FIELDS`
+def _argsort_depth(means2d, conics, opacities, colors, depths, chunks):  # -> [M] int32: by depth, then by `_tie_key`
     """LSD radix sort on the depth's float bits, 4 passes of 8 bits (numpy's stable float sort is
     a merge sort, ~10x slower here), each split over `chunks` threads, and skipped where all keys
     share the digit (the exponent's, mostly); then each run of equal depth is sorted by
-    `_TIE_FIELDS`."""
+    `_tie_key`."""
     m = depths.size
     bits = depths.view(np.uint32)
     # Flip so unsigned order is float order: all bits of negatives, the sign bit of the rest.
