@@ -16,7 +16,6 @@ still leave the process when evicted.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # mallopt's parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -26,13 +25,11 @@ TRIM_THRESHOLD = 64 << 20  # free memory at the heap's top kept for reuse
 
 
 def retain_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds for this process; False where the C library is not
-    glibc (nothing changes there)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
+    """Raise glibc's mmap and trim thresholds for this process; False where the C library has no
+    mallopt or refuses them (nothing changes there). The symbol is looked up in the process itself:
+    `ctypes.util.find_library` would run `ldconfig` at every rank's start."""
     try:
-        mallopt = ctypes.CDLL(name).mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

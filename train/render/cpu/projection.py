@@ -284,9 +284,9 @@ def _array(t: Tensor) -> np.ndarray:
 def _gradient_sums(arrays: list[np.ndarray], n_bases: int) -> list[np.ndarray]:
     """Zeroed gradient sums shaped as the parameters. At SH degree 0 nothing writes shN's (and
     Adam, by `grad_columns`, never reads them): they are fresh anonymous pages, which cost nothing
-    unless touched; np.zeros would memset them on one core once glibc's malloc has raised its mmap
-    threshold past their size, as it does after freeing the first (~0.3 ms a step at 50k
-    Gaussians). Above degree 0 every page of them is written, and fresh pages would fault in one
+    unless touched; np.zeros would memset them on one core once glibc's mmap threshold lies past
+    their size, as it does after freeing the first and from the trainer's start (`train.heap`)
+    (~0.3 ms a step at 50k Gaussians). Above degree 0 every page of them is written, and fresh pages would fault in one
     at a time under the process's memory lock (garden forward+backward 83 -> 91 ms)."""
     *rest, shN = arrays  # in _PARAM_ORDER: shN last
     sums = [np.zeros(a.shape, a.dtype) for a in rest]
