@@ -210,3 +210,42 @@ def test_scales_that_overflow_still_commit_finite_boxes(wall, tmp_path):
     boxes = np.array([info.extent for info in s.table.values()])
     assert np.isfinite(boxes).all()
     assert (boxes[:, 3:] - boxes[:, :3]).max() > 1e300, "a block with an overflowing scale reaches everywhere"
+
+
+def test_narrow_gathers_and_blocks_on_threads_train_as_the_whole_batch_does(wall, tmp_path, monkeypatch):
+    """A step gathers only the SH coefficients its degree reads, and shares its blocks' Adam among
+    threads. Against a run that gathers every coefficient and steps the blocks one by one on this
+    thread, over SH degrees 0, 1 and 2 (degree 1's coefficients are a strided view of each
+    block): every array of every block bit for bit."""
+    import numba
+
+    import train.step as step_module
+
+    data, tiled = wall
+    seen = {"threads": [], "shN": set()}
+    real_share, real_gather = step_module.share_blocks, step_module.gather
+
+    def share(n, threads, work):
+        seen["threads"].append(threads)
+        return real_share(n, threads, work)
+
+    def gather(blocks, keys, requires_grad, **kwargs):
+        batch = real_gather(blocks, keys, requires_grad, **kwargs)
+        if requires_grad:  # a training step's batch (evaluations render at their own degree)
+            seen["shN"].add(batch.params["shN"].shape[1])
+        return batch
+
+    monkeypatch.setattr(step_module, "share_blocks", share)
+    monkeypatch.setattr(step_module, "gather", gather)
+    narrow = _copy(tiled, tmp_path, "narrow.zarr")
+    run(_config(data, narrow, tmp_path / "narrow", steps=11, sh_degree_interval=4))
+    assert numba.get_num_threads() < 2 or max(seen["threads"]) > 1, "the blocks must have been shared by threads"
+    assert seen["shN"] == {0, 3, 8}, "each degree gathers its coefficients only"
+
+    monkeypatch.setattr(step_module, "sh_coeffs_gathered", lambda degree, backend: None)
+    monkeypatch.setattr(step_module, "block_threads", lambda offsets, threads: 1)
+    seen["shN"].clear()
+    whole = _copy(tiled, tmp_path, "whole.zarr")
+    run(_config(data, whole, tmp_path / "whole", steps=11, sh_degree_interval=4))
+    assert seen["shN"] == {15}
+    _assert_same_training(_params(whole), _params(narrow))

@@ -84,8 +84,8 @@ def test_regularizers_add_simple_trainers_gradient_to_the_rows_adam_steps(wall, 
         seen["grads"].append(({n: g.clone() for n, g in grads.items()}, mask.clone()))
         return real_adam(grads, mask, *args, **kwargs)
 
-    def gather(blocks, keys, requires_grad):
-        batch = real_gather(blocks, keys, requires_grad)
+    def gather(blocks, keys, requires_grad, **kwargs):
+        batch = real_gather(blocks, keys, requires_grad, **kwargs)
         if requires_grad:
             seen["batch"].append((list(batch.keys), list(batch.offsets)))
         return batch

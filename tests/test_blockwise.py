@@ -1,0 +1,57 @@
+"""Blocks shared among threads (`train.blockwise`): when threads are used, and that every block
+is taken exactly once whatever the timing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from train.blockwise import MAX_SHARE, block_threads, share_blocks
+
+
+def test_threads_only_for_several_blocks_none_of_them_most_of_the_rows():
+    assert block_threads([0, 10, 20, 30], 2) == 2
+    assert block_threads([0, 10, 20, 30], 1) == 1
+    assert block_threads([0, 30], 4) == 1  # one block
+    assert block_threads([0, 10, 20], 8) == 2  # no more threads than blocks
+    big = int(100 * MAX_SHARE) + 1
+    assert block_threads([0, big, 100], 2) == 1  # a block of most rows: its own kernel splits it
+    assert block_threads([0, 50, 100], 2) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_block_goes_to_exactly_one_thread(threads):
+    """Each taker records the blocks it drew, sleeping on some so that others overtake it: the
+    union is every block, with no block twice; every thread's result comes back."""
+    names = []
+
+    def work(blocks):
+        names.append(threading.current_thread().name)
+        mine = []
+        for b in blocks:
+            if b % 3 == 0:
+                time.sleep(0.001)
+            mine.append(b)
+        return mine
+
+    results = share_blocks(50, threads, work)
+    assert len(results) == threads and len(set(names)) == threads
+    taken = [b for r in results for b in r]
+    assert sorted(taken) == list(range(50))
+    assert all(r == sorted(r) for r in results), "each thread draws in rising order"
+
+
+def test_an_error_in_a_helper_thread_reaches_the_caller_after_all_ended():
+    done = []
+
+    def work(blocks):
+        for b in blocks:
+            if b == 7:
+                raise ValueError("block 7 is bad")
+            time.sleep(0.0005)
+        done.append(threading.current_thread().name)
+
+    with pytest.raises(ValueError, match="block 7 is bad"):
+        share_blocks(30, 2, work)
+    assert len(done) == 1, "the other thread finished its blocks before the error was raised"
