@@ -41,7 +41,7 @@ def _dispatchers() -> list:
     from train.render.cpu import binning, ellipse, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse._records,
-            binning._candidate_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
+            binning._records_and_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
             ssim._ssim_forward, ssim._ssim_backward, ssim._ssim_row, stats._accumulate,

@@ -42,31 +42,36 @@ def _records(means2d, conics, opacities, colors, depths, order):
     m = order.size
     rec = np.zeros((m, RECORD), np.float32)
     for i in prange(m):
-        g = order[i]
-        a, b, c, o = conics[g, 0], conics[g, 1], conics[g, 2], opacities[g]
-        rec[i, MX], rec[i, MY] = means2d[g, 0], means2d[g, 1]
-        rec[i, CA], rec[i, CB], rec[i, CC], rec[i, OPACITY] = a, b, c, o
-        rec[i, RED], rec[i, GREEN], rec[i, BLUE] = colors[g, 0], colors[g, 1], colors[g, 2]
-        rec[i, DEPTH] = depths[g]
-        if o < _ALPHA_MIN32:
-            rec[i, LEVEL] = -1.0  # no pixel can pass the alpha test
-            rec[i, HALF_X] = -1.0
-            rec[i, HALF_Y] = -1.0
-            continue
-        threshold = math.log(float(o) / ALPHA_MIN)
-        rec[i, THRESHOLD] = threshold
-        level = threshold * (1.0 + _WIDEN_REL) + _WIDEN_ABS
-        rec[i, LEVEL] = level
-        det = float(a) * float(c) - float(b) * float(b)
-        if a > 0.0 and det > 0.0:
-            # Half extents of the ellipse, sqrt(2 L Sigma_xx) and sqrt(2 L Sigma_yy), Sigma = conic^-1.
-            rec[i, HALF_X] = math.sqrt(2.0 * level * c / det)
-            rec[i, HALF_Y] = math.sqrt(2.0 * level * a / det)
-            rec[i, INV_A], rec[i, INV_C] = 1.0 / a, 1.0 / c
-        else:
-            rec[i, HALF_X] = DEGENERATE
-            rec[i, HALF_Y] = DEGENERATE
+        write_record(rec, i, means2d, conics, opacities, colors, depths, order[i])
     return rec
+
+
+@njit(inline="always", fastmath=True)
+def write_record(rec, i, means2d, conics, opacities, colors, depths, g):
+    """Record i of rec [M, RECORD] (zeroed) from input row g (`splat_records`)."""
+    a, b, c, o = conics[g, 0], conics[g, 1], conics[g, 2], opacities[g]
+    rec[i, MX], rec[i, MY] = means2d[g, 0], means2d[g, 1]
+    rec[i, CA], rec[i, CB], rec[i, CC], rec[i, OPACITY] = a, b, c, o
+    rec[i, RED], rec[i, GREEN], rec[i, BLUE] = colors[g, 0], colors[g, 1], colors[g, 2]
+    rec[i, DEPTH] = depths[g]
+    if o < _ALPHA_MIN32:
+        rec[i, LEVEL] = -1.0  # no pixel can pass the alpha test
+        rec[i, HALF_X] = -1.0
+        rec[i, HALF_Y] = -1.0
+        return
+    threshold = math.log(float(o) / ALPHA_MIN)
+    rec[i, THRESHOLD] = threshold
+    level = threshold * (1.0 + _WIDEN_REL) + _WIDEN_ABS
+    rec[i, LEVEL] = level
+    det = float(a) * float(c) - float(b) * float(b)
+    if a > 0.0 and det > 0.0:
+        # Half extents of the ellipse, sqrt(2 L Sigma_xx) and sqrt(2 L Sigma_yy), Sigma = conic^-1.
+        rec[i, HALF_X] = math.sqrt(2.0 * level * c / det)
+        rec[i, HALF_Y] = math.sqrt(2.0 * level * a / det)
+        rec[i, INV_A], rec[i, INV_C] = 1.0 / a, 1.0 / c
+    else:
+        rec[i, HALF_X] = DEGENERATE
+        rec[i, HALF_Y] = DEGENERATE
 
 
 _SPAN_WIDEN_ABS, _SPAN_WIDEN_REL = 1e-2, 1e-4  # pixels added to a band's span, absolute and per pixel of extent
