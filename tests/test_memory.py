@@ -101,3 +101,38 @@ def test_freed_step_arrays_are_reused_without_page_faults():
     default, retained = _json_of(_ROUNDS, "default"), _json_of(_ROUNDS, "retain")
     assert min(default) > pages // 2, default  # the reference: glibc gives the memory back and faults it in again
     assert max(retained) < 50, retained  # kept: the next round writes resident pages
+
+
+# A 40 MB array (past glibc's largest mmap threshold, below the trim threshold) written and
+# freed, five times, each round inside `step_memory_from_heap` or not; prints the minor page
+# faults of each round after the first, and whether the heap held.
+_LARGE_ROUNDS = """
+import json, resource, sys
+import numpy as np
+from contextlib import nullcontext
+from train.heap import retain_freed_memory, step_memory_from_heap
+assert retain_freed_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+counts, held = [], []
+for r in range(5):
+    with (step_memory_from_heap() if sys.argv[1] == "heap" else nullcontext(False)) as h:
+        before = faults()
+        a = np.empty(10_000_000, np.float32)
+        a[:] = 1.0
+        del a
+        counts.append(faults() - before)
+    held.append(h)
+print(json.dumps([counts[1:], held]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_steps_largest_arrays_come_from_the_heap_and_are_reused():
+    """Above 32 MiB glibc maps every array afresh whatever its threshold: each round faults it in
+    again (the reference; numpy asks for huge pages, so a fault may bring in 2 MiB). Inside
+    `step_memory_from_heap` it comes from the heap, and the next round writes resident pages."""
+    (mapped, _), (heap, held) = _json_of(_LARGE_ROUNDS, "default"), _json_of(_LARGE_ROUNDS, "heap")
+    assert min(mapped) >= 20, mapped  # at least 40 MB / 2 MiB
+    assert all(held)
+    assert max(heap) < 50, heap

@@ -28,6 +28,7 @@ from train.densify import Densifier
 from train.eval import evaluate
 from train.exchange import Exchange, LocalExchange
 from train.logs import RunLog, plot_metrics, progress_bar, tensorboard_missing, write_config
+from train.heap import step_memory_from_heap
 from train.losses import Regularizers
 from train.lpips import load_lpips
 from train.memory import MemoryCeiling, MemoryCeilingError, check_supported
@@ -297,13 +298,14 @@ class Trainer:
             degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
             perturb = self.densifier.perturb(
                 step, learning_rates(self.adam, step + 1, self.cfg.steps, self.scene.scene_scale)["means"])
-            stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs, self.adam,
-                               self.background, self.backend, perturb=perturb,
-                               adam_step=AdamStep(self.cfg.adam, step + 1, self.lazy),
-                               absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
-                               visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
-                               regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
-                                                         _num_gaussians(self.store)), waves=waves)
+            with step_memory_from_heap():
+                stats = train_step(cams, cam_rank, gt, self.region, self.cache, self.exchange, degree, lrs,
+                                   self.adam, self.background, self.backend, perturb=perturb,
+                                   adam_step=AdamStep(self.cfg.adam, step + 1, self.lazy),
+                                   absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
+                                   visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
+                                   regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
+                                                             _num_gaussians(self.store)), waves=waves)
         if culled is not None:
             stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
