@@ -42,7 +42,8 @@ from train import occlusion as occlusion_module
 from train.occlusion import DepthPyramid, OcclusionCuller
 from train.region import Region
 from train.render import project, render
-from train.render.cpu.ellipse import HALF_X, HALF_Y, splat_records
+from train.render.cpu.binning import bin_tiles
+from train.render.cpu.ellipse import HALF_X, HALF_Y
 from train.trainer import Trainer, run
 from train.waves import raster_bytes
 
@@ -118,8 +119,9 @@ def test_footprints_hold_every_splat_of_their_box():
         m = s2d.means2d.detach().numpy()
         # The kernels evaluate a splat within its support ellipse's box (the record's half
         # extents); binning uses its radius box: the footprint must hold both.
-        rec = splat_records(*(t.detach().contiguous().numpy() for t in
-                              (s2d.means2d, s2d.conics, s2d.opacities, s2d.colors, s2d.depths)))
+        bins = bin_tiles(*(t.detach().contiguous().numpy() for t in
+                           (s2d.means2d, s2d.conics, s2d.opacities, s2d.colors, s2d.depths, s2d.radii)), 80, 60)
+        rec = bins.to_rows(bins.records)
         r = np.maximum(s2d.radii.numpy(), rec[:, [HALF_X, HALF_Y]])
         # Pixels i with centre i + 0.5 within mean +- radius, clipped to the image.
         px0 = np.clip(np.ceil(m[:, 0] - r[:, 0] - 0.5), 0, 80)

@@ -13,15 +13,17 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 from torch import Tensor
 
 from train.camera import Camera
 
 
-@njit(cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _accumulate(ids, radii, grads, sx, sy, inv_size, grad2d, count, max_radii):
-    for i in range(ids.size):
+    """One camera's splats into the sums; its ids name each row at most once, so the rows are
+    split over the cores without two threads ever adding into one row."""
+    for i in prange(ids.size):
         g = ids[i]
         gx, gy = grads[i, 0] * sx, grads[i, 1] * sy
         grad2d[g] += math.sqrt(gx * gx + gy * gy)

@@ -6,7 +6,7 @@ changes no pixel. Lists are ordered by depth, as gsplat's sort of (tile, depth) 
 with ties broken by the splats' contents instead of their row (see `_tie_key`).
 
 The splats are first sorted by depth (from their inputs) and their records written in that
-order (`ellipse.splat_records`), and everything after works on them: the tile sort then reads its
+order (`ellipse.write_record`), and everything after works on them: the tile sort then reads its
 candidates as one stream (in row order it missed the cache once per splat: 12 of the binning's
 16 ms at 50k splats), and each tile's list reads records at rising addresses.
 """
@@ -50,7 +50,7 @@ class Bins:
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _records_and_boxes(means2d, conics, opacities, colors, depths, radii, order, tiles_x, tiles_y):
-    """`ellipse.splat_records` of the input rows in `order` (depth order), and gsplat's candidate
+    """The records (`ellipse.write_record`) of the input rows in `order` (depth order), and gsplat's candidate
     tiles of each record from the integer radii [M, 2] of the input rows: boxes [M, 4] int64 tx0,
     tx1, ty0, ty1 (end exclusive; empty for dead splats) and sizes [M]. One pass, as both read the
     input rows at random: at 1M splats a second pass for the boxes missed the cache once more a
@@ -267,7 +267,7 @@ def _sort_by_tile(candidates, starts, n_tiles, chunks):
 def bin_tiles(means2d: np.ndarray, conics: np.ndarray, opacities: np.ndarray, colors: np.ndarray,
               depths: np.ndarray, radii: np.ndarray, width: int, height: int) -> Bins:
     """The splats ([M, 2], [M, 3], [M], [M, 3], [M] float32 contiguous, radii [M, 2] int32)
-    sorted, recorded (`ellipse.splat_records`) and binned."""
+    sorted, recorded (`ellipse.write_record`) and binned."""
     tiles_x = -(-width // TILE_SIZE)
     tiles_y = -(-height // TILE_SIZE)
     chunks = numba.get_num_threads()

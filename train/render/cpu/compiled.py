@@ -38,9 +38,9 @@ FINITE_FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}  # a set: numba 
 
 def _dispatchers() -> list:
     from train import losses, optim, ssim, stats
-    from train.render.cpu import binning, ellipse, kernels, projection
+    from train.render.cpu import binning, kernels, projection
 
-    return [kernels.forward, kernels.backward, kernels.reduce_grads, ellipse._records,
+    return [kernels.forward, kernels.backward, kernels.reduce_grads,
             binning._records_and_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,

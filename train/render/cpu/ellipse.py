@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from train.render.semantics import ALPHA_MIN
 
@@ -24,31 +24,11 @@ _ALPHA_MIN32 = np.float32(ALPHA_MIN)
 SPAN_EPS = np.float32(1e-3)  # pixels added to each end of a row or column span
 
 
-def splat_records(means2d: np.ndarray, conics: np.ndarray, opacities: np.ndarray, colors: np.ndarray,
-                  depths: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:  # -> [M, RECORD] float32
-    """One contiguous record a splat: the inputs ([M, 2], [M, 3], [M], [M, 3], [M] float32) plus
-    its support ellipse in the forms the kernels use; record i is input row order[i] ([M] int32,
-    default: row i)."""
-    if order is None:
-        order = np.arange(len(means2d), dtype=np.int32)
-    return _records(means2d, conics, opacities, colors, depths, order)
-
-
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _records(means2d, conics, opacities, colors, depths, order):
-    """`splat_records`. Written in the order the kernels read (depth order): built in row order and
-    then permuted, the records were written once and gathered at random once more (~1 ms a step
-    at 50k splats, from memory the step had moved on from)."""
-    m = order.size
-    rec = np.zeros((m, RECORD), np.float32)
-    for i in prange(m):
-        write_record(rec, i, means2d, conics, opacities, colors, depths, order[i])
-    return rec
-
-
 @njit(inline="always", fastmath=True)
 def write_record(rec, i, means2d, conics, opacities, colors, depths, g):
-    """Record i of rec [M, RECORD] (zeroed) from input row g (`splat_records`)."""
+    """Record i of rec [M, RECORD] (zeroed) from input row g ([M, 2], [M, 3], [M], [M, 3], [M]
+    float32 inputs): its means, conic, opacity, colour and depth, and its support ellipse in the
+    forms the kernels and binning use."""
     a, b, c, o = conics[g, 0], conics[g, 1], conics[g, 2], opacities[g]
     rec[i, MX], rec[i, MY] = means2d[g, 0], means2d[g, 1]
     rec[i, CA], rec[i, CB], rec[i, CC], rec[i, OPACITY] = a, b, c, o
