@@ -55,3 +55,27 @@ def test_an_error_in_a_helper_thread_reaches_the_caller_after_all_ended():
     with pytest.raises(ValueError, match="block 7 is bad"):
         share_blocks(30, 2, work)
     assert len(done) == 1, "the other thread finished its blocks before the error was raised"
+
+
+@pytest.mark.parametrize("sizes", [[9600] * 21, [5, 100000, 3], [1000, 2000]])
+@pytest.mark.parametrize("sh_coeffs", [None, 0, 3])
+def test_a_batch_gathered_on_threads_is_the_blocks_joined(sizes, sh_coeffs):
+    """`train.step.gather` of several blocks (copied by threads, in row ranges of blocks per
+    array) against torch.cat of the blocks' arrays, shN cut to its leading coefficients."""
+    import numpy as np
+    import torch
+
+    from train.step import gather
+
+    rng = np.random.default_rng(len(sizes))
+    shapes = {"means": (3,), "quats": (4,), "scales": (3,), "opacities": (), "sh0": (1, 3), "shN": (15, 3)}
+    blocks = {f"b{i}": {k: torch.from_numpy(rng.normal(size=(n, *s)).astype(np.float32)) for k, s in shapes.items()}
+              for i, n in enumerate(sizes)}
+    keys = list(blocks)
+    batch = gather(blocks, keys, requires_grad=True, sh_coeffs=sh_coeffs)
+    assert batch.offsets == list(np.cumsum([0, *sizes]))
+    for name in shapes:
+        want = torch.cat([blocks[k][name] if name != "shN" or sh_coeffs is None else blocks[k][name][:, :sh_coeffs]
+                          for k in keys])
+        assert torch.equal(batch.params[name].detach(), want), name
+        assert batch.params[name].requires_grad and batch.params[name].is_leaf

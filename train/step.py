@@ -113,14 +113,36 @@ def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad:
     offsets = [0]
     for k in keys:
         offsets.append(offsets[-1] + int(blocks[k]["means"].shape[0]))
-    params = {}
-    for name in PARAM_NAMES:
-        parts = [blocks[k][name] if name != "shN" or sh_coeffs is None else blocks[k][name][:, :sh_coeffs]
-                 for k in keys]
+    parts = {name: [blocks[k][name] if name != "shN" or sh_coeffs is None else blocks[k][name][:, :sh_coeffs]
+                    for k in keys] for name in PARAM_NAMES}
+    threads = numba.get_num_threads()
+    if len(keys) > 1 and threads > 1 and blocks[keys[0]]["means"].device.type == "cpu":
+        joined = _joined_on_threads(parts, offsets, threads)
+    else:
         # A leaf sharing a block's memory is safe: Adam writes the block only after the backward.
-        t = _joined(parts) if keys else torch.zeros(0)
-        params[name] = t.detach().requires_grad_(requires_grad)
-    return Gathered(keys, offsets, params)
+        joined = {name: _joined(p) if keys else torch.zeros(0) for name, p in parts.items()}
+    return Gathered(keys, offsets, {name: t.detach().requires_grad_(requires_grad) for name, t in joined.items()})
+
+
+def _joined_on_threads(parts: dict[str, list[Tensor]], offsets: list[int], threads: int) -> dict[str, Tensor]:
+    """Each array's blocks copied into one CPU tensor, in `threads` row ranges of blocks per array
+    copied side by side (torch's copies release the GIL; on one thread they took 3.5 ms of a
+    200k-Gaussian step): the same tensors as `torch.cat`."""
+    out = {name: torch.empty((offsets[-1], *p[0].shape[1:]), dtype=p[0].dtype) for name, p in parts.items()}
+    cuts = [0]
+    for t in range(1, threads):
+        cuts.append(max(cuts[-1], int(np.searchsorted(offsets, offsets[-1] * t / threads))))
+    cuts.append(len(offsets) - 1)
+    ranges = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    tasks = [(name, a, b) for name in parts for a, b in ranges]
+
+    def copy(taken: Iterator[int]) -> None:
+        for i in taken:
+            name, a, b = tasks[i]
+            torch.cat(parts[name][a:b], out=out[name][offsets[a]:offsets[b]])
+
+    share_blocks(len(tasks), threads, copy)
+    return out
 
 
 def sh_coeffs_gathered(sh_degree: int, backend: str) -> int | None:
