@@ -212,6 +212,28 @@ def test_equal_depths_are_ordered_by_content_not_row():
     assert torch.equal(first.rgb, second.rgb)
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_the_depth_sort_is_a_stable_sort_by_depth_then_content(chunks):
+    """`binning._argsort_depth` (radix passes, then the runs of equal depth sorted by content, runs
+    split over `chunks` threads) against numpy's stable lexsort on depth, mean x, mean y, opacity,
+    conic a, b, c, red, green, blue; rows equal in all of them keep their order. Depths and keys
+    are drawn from a few values, so there are long runs, runs across the chunks' bounds, and
+    ties in the tie keys themselves."""
+    from train.render.cpu.binning import _argsort_depth
+
+    rng = np.random.default_rng(chunks)
+    m = 5000
+    depths = (rng.integers(0, 40, m) * 0.25 - 2.0).astype(np.float32)  # negatives and zero too
+    means2d = rng.integers(0, 3, (m, 2)).astype(np.float32)
+    conics = rng.integers(0, 2, (m, 3)).astype(np.float32)
+    opacities = rng.integers(0, 2, m).astype(np.float32)
+    colors = rng.integers(0, 2, (m, 3)).astype(np.float32)
+    order = _argsort_depth(means2d, conics, opacities, colors, depths, chunks)
+    keys = [colors[:, 2], colors[:, 1], colors[:, 0], conics[:, 2], conics[:, 1], conics[:, 0], opacities,
+            means2d[:, 1], means2d[:, 0], depths]
+    np.testing.assert_array_equal(order, np.lexsort(keys))
+
+
 def test_finite_differences():
     """Directional derivatives of the kernels' own forward pass against their backward pass, on a
     scene where compositing is smooth: every splat reaches every pixel with alpha well above 1/255
