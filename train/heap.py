@@ -26,6 +26,7 @@ whatever the setting), and what the step frees stays in the heap for the next on
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,9 +39,10 @@ MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts: arrays up to this size c
 TRIM_THRESHOLD = 64 << 20  # free memory at the heap's top kept for reuse
 
 
+@functools.cache
 def _mallopt():
-    """glibc's mallopt, or None. Looked up in the process itself: `ctypes.util.find_library` would
-    run `ldconfig` at every rank's start."""
+    """glibc's mallopt, or None. Looked up in the process itself (`ctypes.util.find_library` would
+    run `ldconfig` at every rank's start), once: every step sets it twice."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -481,18 +481,17 @@ def adam_update(
     for rows, boxes in share_blocks(len(paged.keys), threads, step_blocks):
         stepped.update(rows)
         extents.update(boxes)
-    changed = [paged.keys[b] for b in sorted(stepped)]
+    changed = sorted(stepped)
     stats.contributed += sum(stepped.values())
-    for b in sorted(stepped):
-        k = paged.keys[b]
-        if perturb is not None:
-            lo, hi = g.offsets[b], g.offsets[b + 1]
-            t = paged.tensors[k]
-            perturb(k, t, torch.from_numpy(np.flatnonzero(acc["count"][lo:hi])).to(t["means"].device))
-        cache.mark_dirty(k)
-    stats.extents.update((k, extents[k]) for k in changed if k in extents)
     if perturb is not None:
-        stats.extents.update(_extents({k: paged.tensors[k] for k in changed}))
+        for b in changed:
+            t = paged.tensors[paged.keys[b]]
+            seen = np.flatnonzero(acc["count"][g.offsets[b]:g.offsets[b + 1]])
+            perturb(paged.keys[b], t, torch.from_numpy(seen).to(t["means"].device))
+        extents = _extents({paged.keys[b]: paged.tensors[paged.keys[b]] for b in changed})
+    for b in changed:
+        cache.mark_dirty(paged.keys[b])
+        stats.extents[paged.keys[b]] = extents[paged.keys[b]]
 
 
 def adam_update_batched(

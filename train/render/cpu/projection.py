@@ -286,8 +286,10 @@ def _gradient_sums(arrays: list[np.ndarray], n_bases: int) -> list[np.ndarray]:
     Adam, by `grad_columns`, never reads them): they are fresh anonymous pages, which cost nothing
     unless touched; np.zeros would memset them on one core once glibc's mmap threshold lies past
     their size, as it does after freeing the first and from the trainer's start (`train.heap`)
-    (~0.3 ms a step at 50k Gaussians). Above degree 0 every page of them is written, and fresh pages would fault in one
-    at a time under the process's memory lock (garden forward+backward 83 -> 91 ms)."""
+    (~0.3 ms a step at 50k Gaussians). (The trainer's own batches no longer hold those
+    coefficients on the CPU, `train.step.sh_coeffs_gathered`; callers of `project` with whole
+    splats still do.) Above degree 0 every page of them is written, and fresh pages would fault
+    in one at a time under the process's memory lock (garden forward+backward 83 -> 91 ms)."""
     *rest, shN = arrays  # in _PARAM_ORDER: shN last
     sums = [np.zeros(a.shape, a.dtype) for a in rest]
     if n_bases > 1 or shN.nbytes < mmap.PAGESIZE:
