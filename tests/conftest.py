@@ -3,12 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from train.pools import configure_pools
 
-from tools.bench import data_dir
-from tools.make_scene import main as make_scene_main
-from tools.tile.__main__ import main as tile_main
-from train.render.cpu.compiled import ensure_compiled
+configure_pools()  # the trainer's thread pools here too, before numba and torch load
+
+import pytest  # noqa: E402
+
+from tools.bench import data_dir  # noqa: E402
+from tools.make_scene import main as make_scene_main  # noqa: E402
+from tools.tile.__main__ import main as tile_main  # noqa: E402
+from train.render.cpu.compiled import ensure_compiled  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

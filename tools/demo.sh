@@ -7,7 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh
 PY=.venv/bin/python
-export OMP_WAIT_POLICY=PASSIVE
 OUT=${1:-runs/demo}
 DATA_ROOT=${OCTOSPLAT_DATA:-../shared/data}
 rm -rf "$OUT"

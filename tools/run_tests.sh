@@ -5,6 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-# numba and torch each keep an OpenMP pool; spinning pools fight over the 2 cores.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -5,8 +5,9 @@ import json
 import os
 import sys
 
-# numba's and torch's OpenMP pools spin-wait by default and then fight over the same cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from train.pools import configure_pools
+
+configure_pools()  # before numba and torch load
 
 from train.config import ConfigError, parse_config
 from train.heap import retain_freed_memory

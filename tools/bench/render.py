@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 
+from train.pools import configure_pools
+
 # numba's and torch's OpenMP runtimes are separate thread pools, and by default each one's idle
-# threads spin, taking the two cores from the other one (iterations here ran 2-3x slower). This
-# has to be set before either library loads; a run can still override it from the environment.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# threads spin for milliseconds, taking the two cores from the other one (iterations here ran
+# 2-3x slower); `train.pools` has them spin briefly. Set before either library loads.
+configure_pools()
 
 import argparse  # noqa: E402
 import subprocess  # noqa: E402

@@ -12,9 +12,9 @@ with the exact viewer's (PSNR); the culled frames must equal them byte for byte.
 """
 from __future__ import annotations
 
-import os
+from train.pools import configure_pools
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # numba's and torch's pools share the cores (see bench render)
+configure_pools()  # numba's and torch's pools share the cores (before either loads)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.view.config import ViewConfig, ViewError
-from train.cli import HelpFormatter
+from train.pools import configure_pools
+
+configure_pools()  # before numba and torch load
+
+from tools.view.config import ViewConfig, ViewError  # noqa: E402
+from train.cli import HelpFormatter  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
