@@ -56,12 +56,14 @@ def _records_and_boxes(means2d, conics, opacities, colors, depths, radii, order,
     input rows at random: at 1M splats a second pass for the boxes missed the cache once more a
     splat (22 ms a step)."""
     m = order.size
-    rec = np.zeros((m, RECORD), np.float32)
-    boxes = np.zeros((m, 4), np.int64)
-    sizes = np.zeros(m, np.int64)
+    rec = np.empty((m, RECORD), np.float32)  # every element written below, each row by its own thread
+    boxes = np.empty((m, 4), np.int64)
+    sizes = np.empty(m, np.int64)
     for i in prange(m):
         g = order[i]
         write_record(rec, i, means2d, conics, opacities, colors, depths, g)
+        boxes[i, 0], boxes[i, 1], boxes[i, 2], boxes[i, 3] = 0, 0, 0, 0
+        sizes[i] = 0
         rx, ry = radii[g, 0], radii[g, 1]
         if rx <= 0 or ry <= 0 or rec[i, LEVEL] < 0.0:
             continue
