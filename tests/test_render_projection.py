@@ -160,6 +160,22 @@ def test_bad_splats_are_named(garden, change, message):
         project(bad, cameras[0], 3)
 
 
+@pytest.mark.parametrize("name,where", [("opacities", (2,)), ("scales", (2, 0)), ("sh0", (2, 0, 1)), ("quats", (2, 3))])
+def test_a_non_finite_value_is_named_even_in_a_splat_the_view_culls(garden, name, where):
+    """The CPU projection tests every row it reads before culling it (no separate pass over the
+    batch): a NaN or inf in a Gaussian behind the camera still stops the projection, named, with
+    or without the caller's own check."""
+    splats, cameras = garden
+    cam = cameras[0]
+    bad = {k: v[:10].clone() for k, v in splats.items()}
+    bad["means"][2] = torch.from_numpy((cam.center - 5.0 * cam.viewmat[2, :3]).astype(np.float32))  # behind it
+    assert 2 not in project(bad, cam, 3).ids.tolist()
+    bad[name][where] = float("inf") if name == "scales" else float("nan")
+    for check in (True, False):
+        with pytest.raises(RenderError, match=rf"splats\['{name}'\]: contains NaN or inf"):
+            project(bad, cam, 3, check=check)
+
+
 def test_nan_in_sh_coefficients_counts_only_where_the_degree_reads_them(garden):
     splats, cameras = garden
     small = {k: v[:10].clone() for k, v in splats.items()}

@@ -15,3 +15,8 @@ def all_finite(t: Tensor) -> bool:
     if t.numel() == 0 or bool(torch.isfinite(t.detach().sum())):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def nonfinite_splats(name: str) -> RenderError:
+    """The error for a splat parameter (`splats[name]`) holding NaN or inf, wherever it is found."""
+    return RenderError(f"splats['{name}']: contains NaN or inf")

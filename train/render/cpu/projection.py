@@ -23,7 +23,7 @@ from train.render.cpu.compiled import FINITE_FASTMATH
 from train.render.cpu.mat3 import matmul, matvec, quat_to_rotmat, rotmat_vjp, transpose
 from train.render.cpu.sh import sh_basis, sh_basis_grads
 from train.render.semantics import ALPHA_MIN, EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS, num_sh_bases
-from train.render.errors import RenderError
+from train.render.errors import RenderError, nonfinite_splats
 from train.render.splats2d import GRAD_FLOATS, Splats2D
 
 _FOV_MARGIN = 0.3  # the Jacobian is evaluated at most 30% of a half field of view outside the image
@@ -80,12 +80,33 @@ def _cov2d(j00, j02, j11, j12, S):  # J S J^T for the sparse J, S a symmetric 9-
     return c00, c01, c11
 
 
+@njit(inline="always", fastmath=FINITE_FASTMATH)
+def _finite_row(means, quats, scales, logits, sh0, shN, n_rest, g):  # whether row g's values are all finite
+    """Their sum in float64, which no float32 values overflow: NaN or inf exactly when one of them is
+    (tested by a comparison: under these fast-math flags LLVM folded `math.isfinite` to True)."""
+    total = float(logits[g])
+    for c in range(3):
+        total += float(means[g, c]) + float(scales[g, c]) + float(sh0[g, 0, c])
+        for b in range(n_rest):
+            total += float(shN[g, b, c])
+    for c in range(4):
+        total += float(quats[g, c])
+    return abs(total) < math.inf
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FINITE_FASTMATH)
-def _project(means, quats, scales, logits, cam, width, height, rows, means2d, conics, depths, opacities, radii, keep):
-    """Projects the Gaussians `rows`; output j belongs to rows[j]."""
+def _project(means, quats, scales, logits, sh0, shN, n_rest, cam, width, height, rows,
+             means2d, conics, depths, opacities, radii, keep):  # -> rows with a non-finite value
+    """Projects the Gaussians `rows`; output j belongs to rows[j]. Every row is tested for NaN and
+    inf first (its parameters and its first `n_rest` SH rest coefficients, those the degree reads),
+    as it is read anyway: a row that fails is counted and dropped."""
+    nonfinite = 0
     for j in prange(rows.size):
         g = rows[j]
         keep[j] = False
+        if not _finite_row(means, quats, scales, logits, sh0, shN, n_rest, g):
+            nonfinite += 1
+            continue
         R, pc, q, qn, rq, s, rs, cov_c = _splat_frame(means, quats, scales, cam, g)
         z = pc[2]
         if not (NEAR_PLANE <= z <= FAR_PLANE):
@@ -109,6 +130,7 @@ def _project(means, quats, scales, logits, cam, width, height, rows, means2d, co
         conics[j, 0], conics[j, 1], conics[j, 2] = c11 / det, -c01 / det, c00 / det
         depths[j], opacities[j] = z, o
         radii[j, 0], radii[j, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
+    return nonfinite
 
 
 @njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
@@ -308,12 +330,21 @@ def _project_rows(arrays: list[np.ndarray], cam: np.ndarray, width: int, height:
     means2d, conics = np.empty((n, 2), np.float32), np.empty((n, 3), np.float32)
     depths, opacities = np.empty(n, np.float32), np.empty(n, np.float32)
     radii, keep = np.empty((n, 2), np.int32), np.empty(n, np.bool_)
-    _project(arrays[0], arrays[1], arrays[2], arrays[3], cam, width, height, rows,
-             means2d, conics, depths, opacities, radii, keep)
+    if _project(arrays[0], arrays[1], arrays[2], arrays[3], arrays[4], arrays[5], n_bases - 1, cam, width, height,
+                rows, means2d, conics, depths, opacities, radii, keep):
+        raise _nonfinite_field(arrays, rows, n_bases)
     means2d, conics, depths, opacities, radii, ids = _compact(keep, rows, means2d, conics, depths, opacities, radii)
     colors = np.empty((len(ids), 3), np.float32)
     _colors(arrays[0], arrays[4], arrays[5], ids, cam, n_bases, colors)
     return means2d, conics, opacities, colors, depths, radii, ids
+
+
+def _nonfinite_field(arrays: list[np.ndarray], rows: np.ndarray, n_bases: int) -> RenderError:
+    """The error naming the first parameter (in `_PARAM_ORDER`) with a NaN or inf among `rows`."""
+    for name, a in zip(_PARAM_ORDER, arrays):
+        if not np.isfinite(a[rows] if name != "shN" else a[rows, :n_bases - 1]).all():
+            return nonfinite_splats(name)
+    return RenderError("splats: contains NaN or inf")  # (a float64 sum of float32 values cannot overflow)
 
 
 class _Project(torch.autograd.Function):
