@@ -317,14 +317,20 @@ def test_backward_state_does_not_grow_with_pixels_times_splats():
     assert held_bytes(state) <= 96 * m + 16 * n_isects + 8 * size * size + 16 * (tiles + 1) + 12
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("means2d", float("nan"), "means2d: contains NaN"),
-    ("conics", float("inf"), "conics: contains NaN or inf"),
+@pytest.mark.parametrize("field,where,value", [
+    ("means2d", (2, 0), float("nan")),
+    ("conics", (2, 0), float("inf")),
+    ("depths", (2,), float("-inf")),
+    ("opacities", (2,), float("nan")),
+    ("colors", (2, 2), float("nan")),
+    ("means2d", (4, 1), float("nan")),  # in a splat with zero radii, which no tile takes
 ])
-def test_rejects_non_finite(field, value, message):
+def test_rejects_non_finite(field, where, value):
+    """Any field, also in a splat that no tile takes, stops the rasterizer with the field named."""
     splats = random_splats(5, 8, 8, seed=0)
-    getattr(splats, field)[2, 0] = value
-    with pytest.raises(RenderError, match=message):
+    splats.radii[4] = 0
+    getattr(splats, field)[where] = value
+    with pytest.raises(RenderError, match=rf"splats2d\.{field}: contains NaN or inf"):
         rasterize(splats, camera(8, 8), BACKGROUND)
 
 

@@ -14,7 +14,7 @@ from train.camera import Camera
 from train.render.cpu.function import rasterize_cpu
 from train.render.batch import AutogradBatch, ProjectedBatch, View
 from train.render.cpu.projection import CpuProjectedBatch, project_cpu
-from train.render.errors import RenderError, all_finite, nonfinite_splats
+from train.render.errors import RenderError, all_finite, nonfinite
 from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
 from train.render.splats2d import RasterOutput, Splats2D
 
@@ -55,7 +55,7 @@ def check_splats(splats: dict[str, Tensor], sh_degree: int, finite: bool = True)
     for name in SPLAT_KEYS if finite else ():
         # Coefficients above the degree are never read: a NaN there cannot reach the image.
         if not all_finite(splats[name] if name != "shN" else splats[name][:, :used]):
-            raise nonfinite_splats(name)
+            raise nonfinite(f"splats['{name}']")
 
 
 def _check_backend(backend: str, device: torch.device, what: str) -> None:
@@ -75,7 +75,7 @@ def _background(background: Tensor | Sequence[float] | None, device: torch.devic
     if bg.shape != (3,):
         raise RenderError(f"background: shape {tuple(bg.shape)}, expected [3]")
     if not all_finite(bg):
-        raise RenderError("background: contains NaN or inf")
+        raise nonfinite("background")
     return bg
 
 

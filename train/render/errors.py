@@ -17,6 +17,7 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def nonfinite_splats(name: str) -> RenderError:
-    """The error for a splat parameter (`splats[name]`) holding NaN or inf, wherever it is found."""
-    return RenderError(f"splats['{name}']: contains NaN or inf")
+def nonfinite(field: str) -> RenderError:
+    """The error for a field (`splats['means']`, `splats2d.conics`) holding NaN or inf, wherever
+    it is found: by a torch pass, or by the kernel that reads it."""
+    return RenderError(f"{field}: contains NaN or inf")

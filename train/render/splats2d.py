@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from train.render.errors import RenderError, all_finite
+from train.render.errors import RenderError, all_finite, nonfinite
 
 WIRE_FLOATS = 12  # means2d 2, conics 3, depths 1, opacities 1, colors 3, radii 2
 GRAD_FLOATS = 9  # means2d 2, conics 3, opacities 1, colors 3
@@ -76,7 +76,7 @@ class Splats2D:
             if t.dtype != torch.float32:
                 raise RenderError(f"{where}.{name}: dtype {t.dtype}, expected float32")
             if not all_finite(t):
-                raise RenderError(f"{where}.{name}: contains NaN or inf")
+                raise nonfinite(f"{where}.{name}")
 
     def as_leaves(self) -> "Splats2D":
         """The same splats with the differentiable fields as fresh leaves (sharing memory): what
