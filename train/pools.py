@@ -8,7 +8,7 @@ What a region costs beyond its work is how soon the other cores join it:
 - numba's TBB layer (chosen first by numba wherever `libtbb.so.12` happens to be installed: here
   it came with OpenCV's development package, on a fresh machine it is absent) opens a new task
   arena for every region, and a worker joins it late after a run of short regions: the records
-  pass of the binning ran 1.05 ms alone and 1.75 ms after the depth sort's five regions, slower
+  pass of the binning ran 1.05 ms alone and 1.75 ms right after the depth sort's regions, slower
   than on one thread.
 - numba's OpenMP layer (GNU libgomp, on every Linux with gcc's runtime) keeps one team. With
   `OMP_WAIT_POLICY=PASSIVE` (which keeps numba's and torch's OpenMP pools from spinning against

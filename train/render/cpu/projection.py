@@ -100,12 +100,12 @@ def _project(means, quats, scales, logits, sh0, shN, n_rest, cam, width, height,
     """Projects the Gaussians `rows`; output j belongs to rows[j]. Every row is tested for NaN and
     inf first (its parameters and its first `n_rest` SH rest coefficients, those the degree reads),
     as it is read anyway: a row that fails is counted and dropped."""
-    nonfinite = 0
+    bad_rows = 0
     for j in prange(rows.size):
         g = rows[j]
         keep[j] = False
         if not _finite_row(means, quats, scales, logits, sh0, shN, n_rest, g):
-            nonfinite += 1
+            bad_rows += 1
             continue
         R, pc, q, qn, rq, s, rs, cov_c = _splat_frame(means, quats, scales, cam, g)
         z = pc[2]
@@ -130,7 +130,7 @@ def _project(means, quats, scales, logits, sh0, shN, n_rest, cam, width, height,
         conics[j, 0], conics[j, 1], conics[j, 2] = c11 / det, -c01 / det, c00 / det
         depths[j], opacities[j] = z, o
         radii[j, 0], radii[j, 1] = min(rad_x, _MAX_RADIUS), min(rad_y, _MAX_RADIUS)
-    return nonfinite
+    return bad_rows
 
 
 @njit(cache=True, nogil=True, fastmath=FINITE_FASTMATH)
