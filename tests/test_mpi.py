@@ -125,6 +125,16 @@ def test_each_camera_rasterizes_exactly_the_single_process_splats(shared_data, l
     assert four["received"].sum() > 0 and one["received"].sum() == 0
 
 
+def test_the_exchange_sends_what_is_not_held_and_gradients_that_are_not_zero():
+    """`send_splats` leaves off the wire the rows the receiver holds (`Held`) and hands over
+    whole parts; `return_grads` sends a bit a splat and the rows that are not all zero, and
+    gives back every row bit for bit (negative zeros, flags without gradients and gradients
+    without flags included), with and without absgrad; the bytes counted are the format's."""
+    proc = _mpirun(3, [str(REPO / "tests" / "helpers" / "mpi_exchange_check.py")], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
 def test_a_killed_rank_ends_the_job_within_seconds(shared_data, lund_store, tmp_path):
     store = tmp_path / "kill.zarr"
     shutil.copytree(lund_store, store)

@@ -6,6 +6,7 @@ Every rank calls every method in the same order every step, also with nothing to
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +18,25 @@ from train.render import Splats2D
 Incoming = dict[int, list[tuple[int, Splats2D]]]
 
 
+@dataclass
+class Held:
+    """Leading rows of the step's parts that an earlier exchange of the same step (the occlusion
+    pass's rounds) already delivered: the sender leaves them off the wire and the receiver puts
+    its copy in front of what arrives, so the part, and the gradients that go back for it, are
+    whole on both sides."""
+
+    skipped: dict[tuple[int, int], int] = field(default_factory=dict)  # (dest rank, camera) -> leading rows not sent
+    splats: dict[tuple[int, int], Splats2D] = field(default_factory=dict)  # (source rank, camera) -> rows held here
+
+    def check(self, src: int, cam: int, rows: int) -> Splats2D | None:
+        """What this rank holds of (src, cam)'s part, which its sender says is `rows` long."""
+        held = self.splats.get((src, cam))
+        if (0 if held is None else len(held)) != rows:
+            raise RuntimeError(f"rank {src} left {rows} rows of camera {cam}'s splats off the wire, but this rank "
+                               f"holds {0 if held is None else len(held)} of them")
+        return held
+
+
 class Exchange(Protocol):
     rank: int
     size: int
@@ -25,6 +45,7 @@ class Exchange(Protocol):
         self,
         outgoing: dict[tuple[int, int], Splats2D],  # (dest rank, camera index) -> splats (sent packed)
         n_cameras: int,
+        held: Held | None = None,  # rows the destinations hold already (not sent), and those held here
     ) -> Incoming: ...
 
     def return_grads(
@@ -77,8 +98,9 @@ class LocalExchange:
     bytes_sent = 0
     bytes_received = 0
 
-    def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int) -> Incoming:
-        if outgoing:
+    def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int,
+                    held: Held | None = None) -> Incoming:
+        if outgoing or (held is not None and (held.skipped or held.splats)):
             raise RuntimeError("a single rank has no other rank to send splats to")
         return {}
 

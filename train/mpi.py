@@ -1,10 +1,13 @@
 """The MPI exchange: buffer-based collectives over numpy arrays, no pickling on the hot path.
 
-Per step: `Alltoall` of per-camera splat counts, `Alltoallv` of packed float32 splats (12 floats
-each), and back the other way `Alltoallv` of 10 floats per splat (9 gradient floats and the
-rasterizer's contributed flag). Layouts on both sides are (rank, camera ascending), so no ids travel.
-On a GPU a message is packed on the device and crosses to the host in one copy, and what arrives
-goes to the device in one copy.
+Per step: `Alltoall` of per-camera splat counts (with the leading rows of each part that the
+receiver holds already from the occlusion pass, `Held`, which stay off the wire), `Alltoallv` of
+packed float32 splats (12 floats each); back the other way `Alltoallv` of a bit per splat
+(whether its row comes) and `Alltoallv` of 10 floats per splat whose row is not all zero (9
+gradient floats and the rasterizer's contributed flag): a splat no pixel blended has none.
+Layouts on both sides are (rank, camera ascending), so no ids travel. On a GPU a message is
+packed on the device and crosses to the host in one copy, and what arrives goes to the device
+in one copy.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 from mpi4py import MPI
 from torch import Tensor
 
-from train.exchange import Incoming
+from train.exchange import Held, Incoming
 from train.render import Splats2D
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 
@@ -25,6 +28,14 @@ _BACK_FLOATS = GRAD_FLOATS + 1  # gradients and the contributed flag
 
 def _displacements(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def _mask_bytes(rows: np.ndarray) -> np.ndarray:  # [R, n_cameras] rows of each part -> bytes of its bit mask
+    return (rows + 7) // 8
+
+
+def _per_rank(per_part: list, shape_of: np.ndarray) -> np.ndarray:  # counts in (rank, camera) order -> [R] sums
+    return np.asarray(per_part, dtype=np.int64).reshape(shape_of.shape).sum(1)
 
 
 class MPIExchange:
@@ -50,30 +61,41 @@ class MPIExchange:
         self.bytes_received += int(recv.nbytes - (recv_counts[self.rank] * width * 4))
         return recv
 
-    def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int) -> Incoming:
+    def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int,
+                    held: Held | None = None) -> Incoming:
         t0 = time.perf_counter()
-        counts = np.zeros((self.size, n_cameras), dtype=np.int64)
+        held = held if held is not None else Held()
+        # per destination: each camera's part length, then the leading rows of it left off the wire
+        counts = np.zeros((self.size, 2, n_cameras), dtype=np.int64)
         parts = []
         for dest in range(self.size):
             for cam in range(n_cameras):
                 s = outgoing.get((dest, cam))
                 if s is not None and len(s):
-                    counts[dest, cam] = len(s)
-                    parts.append(s.pack())
+                    skip = held.skipped.get((dest, cam), 0)
+                    if not 0 <= skip <= len(s):
+                        raise RuntimeError(f"camera {cam}'s part for rank {dest}: {skip} of {len(s)} rows held there")
+                    counts[dest, :, cam] = len(s), skip
+                    if skip < len(s):
+                        parts.append((s.select(slice(skip, None)) if skip else s).pack())
         received = np.empty_like(counts)
         self.comm.Alltoall(counts, received)
         send = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, WIRE_FLOATS), np.float32)
-        buf = torch.from_numpy(self._alltoallv(send, counts.sum(1), received.sum(1), WIRE_FLOATS)).to(self.device)
-        self._sent, self._received = counts, received
+        wire_out, wire_in = counts[:, 0] - counts[:, 1], received[:, 0] - received[:, 1]
+        buf = torch.from_numpy(self._alltoallv(send, wire_out.sum(1), wire_in.sum(1), WIRE_FLOATS)).to(self.device)
+        self._sent, self._received = counts[:, 0], received[:, 0]
         incoming: Incoming = {}
         offset = 0
         for src in range(self.size):
             for cam in range(n_cameras):
-                m = int(received[src, cam])
+                m, k = int(received[src, 0, cam]), int(received[src, 1, cam])
+                mine = held.check(src, cam, k)
                 if m:
-                    s = Splats2D.unpack(buf[offset : offset + m], requires_grad=True)
+                    s = Splats2D.unpack(buf[offset : offset + m - k], requires_grad=mine is None)
+                    if mine is not None:
+                        s = Splats2D.cat([mine, s]).as_leaves()
                     incoming.setdefault(cam, []).append((src, s))
-                    offset += m
+                    offset += m - k
         self.seconds += time.perf_counter() - t0
         return incoming
 
@@ -98,7 +120,19 @@ class MPIExchange:
                         cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2, device=self.device)).to(torch.float32))
                     parts.append(torch.cat(cols, 1))
         send = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, width), np.float32)
-        buf = torch.from_numpy(self._alltoallv(send, self._received.sum(1), self._sent.sum(1), width)).to(self.device)
+        # A row whose bits are all zero (a splat no pixel blended: no gradient, not contributed;
+        # most of a frustum's behind its surfaces) stays off the wire; a bit a row says which came.
+        nonzero = send.view(np.int32).any(axis=1)
+        ours = np.split(nonzero, np.cumsum(self._received.ravel())[:-1])  # per (source, camera) we rendered
+        masks = self._alltoallv_bytes(np.concatenate([np.packbits(m) for m in ours]),
+                                      _mask_bytes(self._received).sum(1), _mask_bytes(self._sent).sum(1))
+        came = [np.unpackbits(m, count=n).astype(bool) for m, n in  # per (dest, camera) of our splats
+                zip(np.split(masks, np.cumsum(_mask_bytes(self._sent).ravel())[:-1]), self._sent.ravel())]
+        rows = self._alltoallv(send[nonzero], _per_rank([m.sum() for m in ours], self._received),
+                               _per_rank([c.sum() for c in came], self._sent), width)
+        buf = np.zeros((int(self._sent.sum()), width), np.float32)
+        buf[np.concatenate(came)] = rows
+        buf = torch.from_numpy(buf).to(self.device)
         out: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
         offset = 0
         for dest in range(self.size):
@@ -112,19 +146,22 @@ class MPIExchange:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def _alltoallv_bytes(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        """uint8 rows of one byte: `send` split by destination (counts [R]), what each rank sent here."""
+        recv = np.empty(int(recv_counts.sum()), np.uint8)
+        self.comm.Alltoallv([np.ascontiguousarray(send, dtype=np.uint8), (send_counts, _displacements(send_counts)),
+                             MPI.BYTE], [recv, (recv_counts, _displacements(recv_counts)), MPI.BYTE])
+        self.bytes_sent += int(send.nbytes - send_counts[self.rank])
+        self.bytes_received += int(recv.nbytes - recv_counts[self.rank])
+        return recv
+
     def send_rows(self, outgoing: dict[int, np.ndarray], width: int) -> np.ndarray:
         counts = np.array([len(outgoing.get(r, ())) for r in range(self.size)], dtype=np.int64)
         received = np.empty_like(counts)
         self.comm.Alltoall(counts, received)
-        parts = [np.ascontiguousarray(outgoing[r], dtype=np.uint8).reshape(-1, width)
-                 for r in range(self.size) if counts[r]]
-        send = np.concatenate(parts) if parts else np.zeros((0, width), np.uint8)
-        recv = np.empty((int(received.sum()), width), np.uint8)
-        sc, rc = counts * width, received * width
-        self.comm.Alltoallv([send, (sc, _displacements(sc)), MPI.BYTE], [recv, (rc, _displacements(rc)), MPI.BYTE])
-        self.bytes_sent += int(send.nbytes - counts[self.rank] * width)
-        self.bytes_received += int(recv.nbytes - received[self.rank] * width)
-        return recv
+        parts = [np.ascontiguousarray(outgoing[r], dtype=np.uint8).reshape(-1) for r in range(self.size) if counts[r]]
+        send = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+        return self._alltoallv_bytes(send, counts * width, received * width).reshape(-1, width)
 
     def any(self, flag: bool) -> bool:
         out = np.zeros(1, dtype=np.int32)

@@ -18,7 +18,9 @@ so far and judges every block of the frustum, whoever owns it; the verdicts (blo
 done) go to every rank (`allgather`). Each rank holds every camera's pass state and every block's
 current extent (the trainer passes the extents each step changed around), so each derives the
 next wave by itself, and the waves, hence what is kept, are those of one process holding every
-block: at most `max_waves` rounds of two collectives a step.
+block: at most `max_waves` rounds of two collectives a step. The splats of kept blocks that
+crossed ranks are not sent again by the step (`train.step.Delivered`): the camera's rank keeps
+them, and each block's splat count travels with the verdicts.
 
 Why the result is the same image and the same gradients. Adding splats to a pixel can only make
 it saturate sooner (every factor 1 - alpha is at most 1 and float multiplication is monotone), so
@@ -49,10 +51,10 @@ from torch import Tensor
 
 from octree.order import Footprints, box_depths, box_footprints, front_to_back
 from train.camera import Camera
-from train.exchange import Exchange
+from train.exchange import Exchange, Held
 from train.region import Region
 from train.render import Splats2D, rasterize
-from train.step import gather, project_owned, sh_coeffs_gathered
+from train.step import Delivered, gather, project_owned, sh_coeffs_gathered
 from train.waves import raster_bytes, step_bytes
 
 OCCLUSION_MODES = ("off", "on")
@@ -136,6 +138,7 @@ class OcclusionReport:
     wave_blocks: int = 0
     bytes_sent: int = 0  # splats the pass's rounds sent to other ranks
     gaussians_not_sent: int = 0  # of owned blocks dropped for cameras other ranks render: not projected, so not sent
+    splats_reused: int = 0  # received in the pass, kept for the step, which does not send them again (camera's rank)
 
     def fields(self) -> dict[str, int]:
         return {f"occ_{k}": v for k, v in vars(self).items()}
@@ -224,10 +227,12 @@ class OcclusionCuller:
         p.waves += 1
 
     @staticmethod
-    def _project(keys: list[str], camera: Camera, cache, sh_degree: int, backend: str) -> Splats2D | None:
-        """The wave's owned blocks projected into the camera. Their gathered copy and projection
-        are counted in the cache beside them, never refused: a wave is one depth slab of a
-        frustum, which no plan bounds."""
+    def _project(keys: list[str], camera: Camera, cache, sh_degree: int, backend: str
+                 ) -> tuple[Splats2D | None, np.ndarray]:  # and [len(keys)] int64 splats of each block
+        """The wave's owned blocks projected into the camera, and how many splats each block gave
+        (its rows come out together, in `keys` order). Their gathered copy and projection are
+        counted in the cache beside them, never refused: a wave is one depth slab of a frustum,
+        which no plan bounds."""
         cache.pin(keys)
         try:
             with cache.working(step_bytes(keys, [keys], cache, backward=False), f"culling for {camera.name}",
@@ -237,7 +242,10 @@ class OcclusionCuller:
                 projected = list(project_owned(g, [keys], [camera], sh_degree, backend).splats.values())
         finally:
             cache.unpin(keys)
-        return Splats2D.cat(projected) if projected else None
+        if not projected or not len(projected[0]):
+            return None, np.zeros(len(keys), dtype=np.int64)
+        block = np.searchsorted(np.asarray(g.offsets), projected[0].ids.cpu().numpy(), side="right") - 1
+        return projected[0], np.bincount(block, minlength=len(keys))
 
     @staticmethod
     def _judge(p: CameraPass, parts: list[Splats2D], camera: Camera, cache, background: Tensor, backend: str
@@ -263,16 +271,21 @@ class OcclusionCuller:
         sh_degree: int,
         background: Tensor,  # [3]
         backend: str = "cpu",
-    ) -> tuple[list[CameraCull], OcclusionReport]:
+    ) -> tuple[list[CameraCull], OcclusionReport, Delivered]:
         """The pass of every camera of the step, in rounds every rank runs together: each rank
         projects its owned blocks of each camera's wave and sends them to the camera's rank
         (`send_splats`), which rasterizes them forward only and judges the blocks; the verdicts go
         to every rank (`allgather`), and the next wave follows from them alike everywhere. At most
         `max_waves` rounds of two collectives; the waves, and so what is kept, are the same on any
-        number of ranks."""
+        number of ranks. The splats of kept blocks that crossed ranks are handed to the step
+        (`Delivered`), which sends only the rest."""
         rank, mine = exchange.rank, set(owned.keys)
         passes = [self.start(cam, world) for cam in cameras]
         drawn: dict[int, list[Splats2D]] = {i: [] for i, r in enumerate(cam_rank) if r == rank}
+        # What crossed ranks, block by block, for the step to reuse: wave keys in order, each
+        # one's splat count, and (on the camera's rank) the splats, their rows in that order.
+        sent_keys: dict[int, list[tuple[list[str], np.ndarray]]] = {}  # camera -> this rank's deliveries
+        arrived: dict[tuple[int, int], list[tuple[list[str], np.ndarray, Splats2D | None]]] = {}  # (src, camera)
         wave_blocks = [0] * len(cameras)
         sent = exchange.bytes_sent
         for _ in range(self.max_waves):
@@ -280,11 +293,18 @@ class OcclusionCuller:
             if not waves:
                 break
             projected: dict[int, Splats2D] = {}
+            counts: dict[int, tuple[list[str], np.ndarray]] = {}  # remote cameras' deliveries of this round
             for i, take in waves.items():
                 keys = [k for k in (world.keys[j] for j in passes[i].order[take]) if k in mine]
                 wave_blocks[i] += len(keys)
-                if keys and (s := self._project(keys, cameras[i], cache, sh_degree, backend)) is not None:
+                if not keys:
+                    continue
+                s, per_block = self._project(keys, cameras[i], cache, sh_degree, backend)
+                if s is not None:
                     projected[i] = s
+                if cam_rank[i] != rank:
+                    counts[i] = (keys, per_block)
+                    sent_keys.setdefault(i, []).append(counts[i])
             incoming = exchange.send_splats({(cam_rank[i], i): s for i, s in projected.items() if cam_rank[i] != rank},
                                             len(cameras))
             verdicts: dict[int, tuple[np.ndarray, bool]] = {}
@@ -294,16 +314,51 @@ class OcclusionCuller:
                 drawn[i].extend(s for _, s in wave)
                 if self.worth_judging(passes[i], sum(len(s) for _, s in wave)):
                     verdicts[i] = self._judge(passes[i], drawn[i], cameras[i], cache, background, backend)
-            for theirs in exchange.allgather(verdicts):
+            for src, (theirs, delivered) in enumerate(exchange.allgather((verdicts, counts))):
                 for i, (dropped, done) in theirs.items():
                     self.apply(passes[i], dropped, done)
+                for i, (keys, per_block) in delivered.items():
+                    if cam_rank[i] == rank:
+                        got = dict(incoming.get(i, [])).get(src)
+                        arrived.setdefault((src, i), []).append((keys, per_block, got))
         culls = []
         for i, (cam, p) in enumerate(zip(cameras, passes)):
             self.last[cam.name] = [world.keys[j] for j in sorted(p.order[p.alive].tolist())]  # world rows: Morton order
             culls.append(CameraCull(owned.union([self.last[cam.name]]), owned.union([[world.keys[j] for j in p.order]]),
                                     p.waves if cam_rank[i] == rank else 0, wave_blocks[i]))
+        delivered = self._delivered(sent_keys, arrived, {cam.name: set(self.last[cam.name]) for cam in cameras},
+                                    cameras, cam_rank)
         remote = [r != rank for r in cam_rank]
-        return culls, self._report(culls, remote, owned, exchange.bytes_sent - sent)
+        report = self._report(culls, remote, owned, exchange.bytes_sent - sent)
+        report.splats_reused = sum(len(s) for s in delivered.held.splats.values())
+        return culls, report, delivered
+
+    @staticmethod
+    def _delivered(sent_keys: dict[int, list[tuple[list[str], np.ndarray]]],
+                   arrived: dict[tuple[int, int], list[tuple[list[str], np.ndarray, Splats2D | None]]],
+                   kept: dict[str, set[str]], cameras: list[Camera], cam_rank: list[int]) -> Delivered:
+        """What the step need not send again: the splats of blocks the pass delivered to another
+        rank and kept, in the order they went (both sides derive it alike). A block drawn in
+        one wave and dropped after a later one is left out on both sides."""
+        order: dict[int, list[str]] = {}
+        skipped: dict[tuple[int, int], int] = {}
+        for i, deliveries in sent_keys.items():
+            keys = [k for ks, _ in deliveries for k in ks if k in kept[cameras[i].name]]
+            rows = sum(int(n) for ks, per_block in deliveries for k, n in zip(ks, per_block)
+                       if k in kept[cameras[i].name])
+            if rows:
+                order[i], skipped[(cam_rank[i], i)] = keys, rows
+        held: dict[tuple[int, int], Splats2D] = {}
+        for (src, i), deliveries in arrived.items():
+            pieces = []
+            for keys, per_block, splats in deliveries:
+                if splats is None:
+                    continue
+                alive = np.repeat([k in kept[cameras[i].name] for k in keys], per_block)
+                pieces.append(splats if alive.all() else splats.select(torch.from_numpy(alive)))
+            if sum(len(p) for p in pieces):
+                held[(src, i)] = Splats2D.cat(pieces)
+        return Delivered(order, Held(skipped, held))
 
     def _report(self, culls: list[CameraCull], remote: list[bool], owned: Region, sent: int) -> OcclusionReport:
         counts = dict(zip(owned.keys, owned.counts.tolist()))

@@ -29,7 +29,7 @@ from torch import Tensor
 from octree.bounds import BOX_LIMIT, EXTENT_SIGMA, extent_boxes
 from storage.schema import PARAM_NAMES
 from train.camera import Camera
-from train.exchange import Exchange, Incoming
+from train.exchange import Exchange, Held, Incoming
 from train.losses import SSIM_LAMBDA, Regularizers, training_loss
 from train.blockwise import block_threads, share_blocks
 from train.optim import (
@@ -252,11 +252,23 @@ class Projected:
 
 
 @dataclass
+class Delivered:
+    """Splats the occlusion pass already carried to the ranks that render their cameras: the step
+    sends them no second time. The owner puts the rows of these blocks first in its part for the
+    camera (block by block, in the order they went), leaves them off the wire, and puts the
+    gradients that come back for the part in its own order again; the camera's rank holds them."""
+
+    first: dict[int, list[str]]  # camera -> this rank's blocks whose rows lead its part, in delivery order
+    held: Held  # rows left off the wire per (dest, camera); the splats held here per (source, camera)
+
+
+@dataclass
 class Routed:
     """Splats where their camera is rendered: received from other owners, and kept."""
 
     incoming: Incoming  # camera index -> [(source rank, leaf splats)]
     kept: dict[int, Splats2D]  # this rank's splats for the cameras it renders, as leaves
+    sent_order: dict[int, Tensor] = field(default_factory=dict)  # camera -> [M] rows of its part in the order sent
 
 
 @dataclass
@@ -308,16 +320,36 @@ def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, bac
     return Projected(g, projection, projection.splats, sh_degree)
 
 
-def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int) -> Routed:
-    """owned: camera index -> this rank's splats for it."""
+def _delivered_first(part: Splats2D, keys: list[str], offsets: list[int], first: list[str]) -> Tensor:  # [M] int64
+    """The part's rows (ids: rows of the batch whose blocks are `keys`, starting at `offsets`)
+    reordered so that those of the blocks `first` lead, block by block in that order, and the
+    others follow as they were; a block's own rows keep their order (which is what the
+    rasterizer's ties between identical splats, all in one block, can depend on)."""
+    index = {k: i for i, k in enumerate(keys)}
+    rank = np.full(len(keys), len(first), dtype=np.int64)
+    rank[[index[k] for k in first]] = np.arange(len(first))
+    block = np.searchsorted(np.asarray(offsets), part.ids.cpu().numpy(), side="right") - 1
+    return torch.from_numpy(np.argsort(rank[block], kind="stable")).to(part.ids.device)
+
+
+def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int,
+                 blocks: tuple[list[str], list[int]] | None = None, delivered: Delivered | None = None) -> Routed:
+    """owned: camera index -> this rank's splats for it; blocks: the keys and start rows of the
+    batch their ids index, which `delivered` (the occlusion pass's splats) needs."""
     rank = exchange.rank
     outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
-    incoming = exchange.send_splats(outgoing, n_cams)
+    sent_order: dict[int, Tensor] = {}
+    if delivered is not None:
+        for i, first in delivered.first.items():
+            if (cam_rank[i], i) in outgoing:
+                sent_order[i] = _delivered_first(owned[i], *blocks, first)
+                outgoing[(cam_rank[i], i)] = owned[i].select(sent_order[i])
+    incoming = exchange.send_splats(outgoing, n_cams, None if delivered is None else delivered.held)
     # Own splats cross the same boundary as received ones (leaves whose gradients are handed
     # back), so each owner backpropagates its projections in camera order, whoever rendered
     # them: gradient sums, hence parameters, come out the same for any number of ranks.
     kept = {i: s.as_leaves() for i, s in owned.items() if cam_rank[i] == rank}
-    return Routed(incoming, kept)
+    return Routed(incoming, kept, sent_order)
 
 
 def rasterize_and_loss(
@@ -367,9 +399,18 @@ def return_grads(routed: Routed, rendered: Rendered, exchange: Exchange, absgrad
     remote_abs = {key: a for key, a in rendered.abs_of.items() if key[0] != rank} if absgrad else None
     back = {i: Back(*v) for (_, i), v in exchange.return_grads(routed.incoming, remote_grads, remote_flags,
                                                                remote_abs).items()}
+    for i, order in routed.sent_order.items():
+        back[i] = Back(*(None if v is None else _unpermuted(v, order)
+                         for v in (back[i].grads, back[i].contributed, back[i].absgrad)))
     back.update({i: Back(rendered.grads_of[(rank, i)], rendered.flags_of[(rank, i)], rendered.abs_of.get((rank, i)))
                  for i in routed.kept})
     return back
+
+
+def _unpermuted(values: Tensor, order: Tensor) -> Tensor:  # [M, ...] in `order` -> [M, ...] in row order
+    out = torch.empty_like(values)
+    out[order] = values
+    return out
 
 
 def backprop_owned(projected: Projected, back: dict[int, Back], mode: str) -> Backprop:
@@ -548,6 +589,8 @@ class WaveForward:
     visible: list[list[list[str]]]  # wave -> camera -> its blocks in the wave
     counts: list[dict[int, int]]  # wave -> camera index -> splats the wave gave that camera
     owned: dict[int, Splats2D]  # camera index -> its splats of all waves, in wave order (ids: rows of the step)
+    keys: list[str] = field(default_factory=list)  # the step's blocks, in the order of its rows
+    offsets: list[int] = field(default_factory=lambda: [0])  # start row of each block; offsets[-1] == rows
 
 
 def project_waves(
@@ -587,6 +630,8 @@ def project_waves(
                     clock.mark("io")
                 splats = project_owned(g, vis, cameras, sh_degree, backend).splats
                 rows = g.offsets[-1]
+                fwd.keys.extend(keys)
+                fwd.offsets.extend(row0 + o for o in g.offsets[1:])
                 del g  # its copy of the rows is what the reservation counted
                 if clock is not None:
                     clock.mark("project")
@@ -671,11 +716,12 @@ def step_waves(
 
 def _render_owned(owned: dict[int, Splats2D], cameras: list[Camera], cam_rank: list[int], images: dict[int, Tensor],
                   exchange: Exchange, background: Tensor, backend: str, stats: StepStats, absgrad: bool,
-                  ssim_lambda: float, clock: _Clock, cache) -> tuple[Rendered, dict[int, Back]]:
+                  ssim_lambda: float, clock: _Clock, cache, blocks: tuple[list[str], list[int]],
+                  delivered: Delivered | None) -> tuple[Rendered, dict[int, Back]]:
     """The middle of a step, the same whether its blocks were paged at once or in waves: the
     owners' splats to where their cameras are rendered, the rasterization and losses, and the
     splat gradients back to their owners."""
-    routed = route_splats(owned, cam_rank, exchange, len(cameras))
+    routed = route_splats(owned, cam_rank, exchange, len(cameras), blocks, delivered)
     clock.mark("exchange")
     rendered = rasterize_and_loss(routed, cameras, cam_rank, images, exchange.rank, background, backend, stats,
                                   absgrad, ssim_lambda, cache)
@@ -710,13 +756,15 @@ def train_step(
     ssim_lambda: float = SSIM_LAMBDA,  # the D-SSIM term's weight in the loss
     regularizers: Regularizers = Regularizers(),  # the opacity and scale regularisers (none by default)
     waves: list[list[str]] | None = None,  # `train.waves.plan_waves` of the step's blocks: None when they fit at once
+    delivered: Delivered | None = None,  # splats the occlusion pass already sent where they are rendered
 ) -> StepStats:
     stats = StepStats()
     clock = _Clock(stats.timings, stats.cpu)
     if waves is not None:
         return _train_step_in_waves(waves, visible if visible is not None else [region.visible(c) for c in cameras],
                                     cameras, cam_rank, images, cache, exchange, sh_degree, lrs, adam, background,
-                                    backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock)
+                                    backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock,
+                                    delivered)
     paged = page_in(cameras, region, cache, visible)
     try:
         stats.blocks = len(paged.keys)
@@ -728,7 +776,8 @@ def train_step(
         stats.projected = sum(len(s) for s in projected.owned.values())
         clock.mark("project")
         rendered, back = _render_owned(projected.owned, cameras, cam_rank, images, exchange, background, backend,
-                                       stats, absgrad, ssim_lambda, clock, cache)
+                                       stats, absgrad, ssim_lambda, clock, cache,
+                                       (projected.gathered.keys, projected.gathered.offsets), delivered)
         bp = backprop_owned(projected, back, adam_step.mode)
         # before the NaN vote: a scale that overflows exp() makes the step's update non-finite
         regularizers.add_grads(projected.gathered.params, bp.contributed)
@@ -749,7 +798,8 @@ def train_step(
 
 
 def _train_step_in_waves(waves, visible, cameras, cam_rank, images, cache, exchange, sh_degree, lrs, adam, background,
-                         backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock) -> StepStats:
+                         backend, perturb, adam_step, absgrad, ssim_lambda, regularizers, stats, clock,
+                         delivered) -> StepStats:
     """`train_step` for a view larger than the cache (its arguments): project in waves, rasterize
     and vote as one batch would, then step in waves."""
     lazy = adam_step.lazy
@@ -759,7 +809,7 @@ def _train_step_in_waves(waves, visible, cameras, cam_rank, images, cache, excha
         stats.blocks, stats.waves = sum(map(len, waves)), len(waves)
         stats.projected = sum(len(s) for s in fwd.owned.values())
         rendered, back = _render_owned(fwd.owned, cameras, cam_rank, images, exchange, background, backend, stats,
-                                       absgrad, ssim_lambda, clock, cache)
+                                       absgrad, ssim_lambda, clock, cache, (fwd.keys, fwd.offsets), delivered)
         finite = losses_finite(rendered) and splat_grads_finite(back, adam_step.mode)
         skip = exchange.any(not finite)
         clock.mark("exchange")

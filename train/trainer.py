@@ -37,7 +37,7 @@ from train.optim import AdamStep, LazyDense, learning_rates
 from train.region import Ownership, Region
 from train.render import RenderError
 from train.schedule import Schedule
-from train.step import COMPUTE_PHASES, StepStats, catch_up_block, train_step
+from train.step import COMPUTE_PHASES, Delivered, StepStats, catch_up_block, train_step
 from train.waves import plan_waves, step_bytes
 
 
@@ -278,7 +278,7 @@ class Trainer:
         cams, cam_rank = self.cameras_of(step), self.plans.pop(step)
         gt = {i: f.result().to(self.device) for i, f in self.pending.pop(step).items()}
         t0 = time.time()
-        visible, culled = self._cull(cams, cam_rank, step)
+        visible, culled, delivered = self._cull(cams, cam_rank, step)
         if visible is None:  # culled once here, for the pin below and for the step's paging
             visible = [self.region.visible(c) for c in cams]
         # This step's blocks are pinned and its working memory reserved first, so the next step's
@@ -305,7 +305,8 @@ class Trainer:
                                    absgrad=self.cfg.densify.absgrad and self.cfg.densify.strategy == "default",
                                    visible=visible, ssim_lambda=self.cfg.optim.ssim_lambda,
                                    regularizers=Regularizers(self.cfg.optim.opacity_reg, self.cfg.optim.scale_reg,
-                                                             _num_gaussians(self.store)), waves=waves)
+                                                             _num_gaussians(self.store)), waves=waves,
+                                   delivered=delivered)
         if culled is not None:
             stats.occlusion, stats.timings["occlusion"], stats.cpu["occlusion"] = culled
         self.region.update_extents(stats.extents)
@@ -316,16 +317,18 @@ class Trainer:
         return stats, time.time() - t0
 
     def _cull(self, cams: list[Camera], cam_rank: list[int], step: int
-              ) -> tuple[list[list[str]] | None, tuple[dict, float, float] | None]:
+              ) -> tuple[list[list[str]] | None, tuple[dict, float, float] | None, Delivered | None]:
         """--occlusion on: each camera's blocks that can change its image (the forward-only
-        culling pass), and the pass's report, wall and CPU seconds; (None, None) when off."""
+        culling pass), the pass's report, wall and CPU seconds, and the splats it carried that the
+        step need not send again; (None, None, None) when off."""
         if self.occlusion is None:
-            return None, None
+            return None, None, None
         wall, cpu = time.perf_counter(), time.thread_time()
         degree = min(step // self.cfg.sh_degree_interval, self.sh_degree)
-        culls, report = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache, self.exchange, degree,
-                                            self.background, self.backend)
-        return [c.kept for c in culls], (report.fields(), time.perf_counter() - wall, time.thread_time() - cpu)
+        culls, report, delivered = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache,
+                                                       self.exchange, degree, self.background, self.backend)
+        return ([c.kept for c in culls], (report.fields(), time.perf_counter() - wall, time.thread_time() - cpu),
+                delivered)
 
     def refine(self, step: int) -> None:
         """The densification hook after step: the strategy's refinement or opacity reset; a
@@ -395,8 +398,8 @@ class Trainer:
 
     def _cull_held_out(self, cams: list[Camera], cam_rank: list[int]) -> tuple[list[list[str]], int, int]:
         """Evaluation's culling (`train.eval.Cull`): the pass the steps run, at the full SH degree."""
-        culls, report = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache, self.exchange,
-                                            self.sh_degree, self.background, self.backend)
+        culls, report, _ = self.occlusion.cull(cams, cam_rank, self.world, self.region, self.cache, self.exchange,
+                                               self.sh_degree, self.background, self.backend)
         return [c.kept for c in culls], report.frustum_gaussians, report.kept_gaussians
 
     def catch_up(self, key: str, done: int) -> int:

@@ -13,7 +13,8 @@ and per step, after `--warmup` steps:
   pass's own seconds (`t_occlusion`, the slowest rank's);
 * with `--ranks R` (each run under `mpirun -n R`, one camera per rank and step): the bytes every
   rank sent to others in the step (splats out, gradients back, and with culling the pass's
-  rounds, `occ_bytes_sent`, also shown alone), and for reference what gsplat's distributed mode
+  rounds, `occ_bytes_sent`, also shown alone), the splats the pass carried to a camera's rank
+  that the step did not send again (`occ_splats_reused`), and for reference what gsplat's distributed mode
   would send for the same cameras: every projected splat of the run without culling whose
   Gaussian another rank holds under gsplat's round robin, counted as (R - 1) / R of them, at 56
   bytes forward and 40 back (`tools/bench/mpi.py`).
@@ -119,7 +120,7 @@ def _row(label: str, runs: list[TrainRun], cfg: BenchConfig, frustum: float) -> 
     sent = ""
     if cfg.ranks > 1:
         sent = (f" {_per_step(r, 'bytes_sent', warmup) / MiB:>9.3f} "
-                f"{_per_step(r, 'occ_bytes_sent', warmup) / MiB:>9.3f}")
+                f"{_per_step(r, 'occ_bytes_sent', warmup) / MiB:>9.3f} {_per_step(r, 'occ_splats_reused', warmup):>8,.0f}")
     return (f"  {label:<4} {frustum:>10,.0f} {kept:>10,.0f} {_per_step(r, 'projected', warmup):>10,.0f} "
             f"{rasterized:>11,.0f} {_per_step(r, 'blocks', warmup):>7.1f} "
             f"{read:>9.2f} {_per_step(r, 'occ_bytes_not_read', warmup) / MiB:>10.3f}{sent} {seconds:>8.3f} "
@@ -150,7 +151,7 @@ def bench_scene(work: Path, name: str, cfg: BenchConfig) -> None:
     ranks = f" on {cfg.ranks} ranks" if cfg.ranks > 1 else ""
     print(f"{name}: {size.gaussians:,} Gaussians in {size.blocks} blocks ({size.nbytes / MiB:.2f} MiB), "
           f"{cfg.steps} steps{ranks}, per step after {cfg.warmup}:")
-    sent = f" {'sent MiB':>9} {'pass MiB':>9}" if cfg.ranks > 1 else ""
+    sent = f" {'sent MiB':>9} {'pass MiB':>9} {'reused':>8}" if cfg.ranks > 1 else ""
     print(f"  {'':<4} {'frustum':>10} {'kept':>10} {'projected':>10} {'rasterized':>11} {'blocks':>7} "
           f"{'read MiB':>9} {'unread MiB':>10}{sent} {'s/step':>8} {'t_occ':>7}   (s/step of each run)")
     frustum = _per_step(runs["on"][0], "occ_frustum_gaussians", cfg.warmup)  # the same cameras, off or on
