@@ -199,6 +199,32 @@ def test_culling_keeps_the_image_gradients_and_contributions(walled):
     assert set(hidden) <= culled_any
 
 
+def test_a_camera_whose_pass_drops_nothing_rests_longer_each_time(walled, monkeypatch):
+    """A pass that drops nothing sends its camera to rest for 1, 2, 4, ... of its steps (its whole
+    frustum kept meanwhile, which is exact); a pass that drops something ends the rest."""
+    store = Store.open(walled.store, mode="r")
+    region = Region.from_table(store.table)
+    culler = OcclusionCuller(1)
+    cam = walled.cameras[0]
+    verdict = OcclusionCuller.verdict
+
+    def visit() -> tuple[bool, bool]:  # -> whether the pass ran, whether it kept the whole frustum
+        (c,), report, _ = culler.cull([cam], [0], region, region, cache, LocalExchange(), 0, torch.zeros(3))
+        assert report.rested == int(report.waves == 0)
+        return report.rested == 0, c.kept == c.frustum
+
+    with BlockCache(store, 1 << 30) as cache:
+        assert visit() == (True, False)  # the wall hides blocks from this camera
+        monkeypatch.setattr(OcclusionCuller, "verdict", staticmethod(lambda p, sat: (np.zeros(0, np.int64), False)))
+        visits = [visit() for _ in range(11)]
+        assert [ran for ran, _ in visits] == [True, False, True, False, False, True, False, False, False, False, True]
+        assert all(whole for _, whole in visits)
+        monkeypatch.setattr(OcclusionCuller, "verdict", verdict)
+        visits = [visit() for _ in range(9)]  # the rest of 8 steps, then a pass that drops: none after it
+        assert visits == [(False, True)] * 8 + [(True, False)]
+        assert visit() == (True, False)
+
+
 def test_the_pass_counts_its_memory_in_the_cache_while_it_runs(walled, monkeypatch):
     """Every projection and rasterization of the pass runs with its memory counted in the cache
     (at least the rasterizer's own figure, `raster_bytes`), and nothing stays counted after it."""

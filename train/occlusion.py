@@ -9,7 +9,9 @@ behind the saturation depth of every pixel its footprint (`octree.order.box_foot
 is dropped; the next wave is taken from the blocks left, up to `max_waves` rasterizations, or
 until a wave leaves every pixel unsaturated. A wave is the nearest block left and every block
 starting less than `SLAB` times as deep. How many waves run changes only what is dropped, never
-the result.
+the result; nor does a camera's rest: one whose pass dropped nothing keeps its whole frustum
+for its next 1, 2, 4, 8 and then 16 steps as such passes follow one another (a scene that
+nothing saturates, or where no block hides behind another, pays for a pass now and then).
 
 Under MPI the pass runs in rounds every rank takes together, one per wave: each rank projects its
 owned blocks of each camera's wave and sends the splats to the rank that renders the camera
@@ -97,6 +99,13 @@ class DepthPyramid:
         return out
 
 
+def _frustum_rows(camera: Camera, world: Region, visible: list[str] | None = None) -> np.ndarray:  # -> [F] int64
+    """The frustum's blocks (`visible`, world.visible(camera) where None: what the step would
+    page) as rows of `world`, in Morton order."""
+    row = {k: i for i, k in enumerate(world.keys)}
+    return np.array([row[k] for k in (world.visible(camera) if visible is None else visible)], dtype=np.int64)
+
+
 @dataclass
 class CameraCull:
     """One camera's culling as one rank sees it: its owned blocks (all of them on one rank)."""
@@ -112,8 +121,8 @@ class CameraPass:
     """One camera's pass, held alike on every rank: each decides the next wave by itself, and only
     what the camera's rank measures (which blocks its saturation depths drop) travels."""
 
-    order: np.ndarray  # [F] world rows of the frustum's blocks, nearest first
-    foot: Footprints  # of order's boxes
+    order: np.ndarray  # [F] world rows of the frustum's blocks, nearest first (any order when resting)
+    foot: Footprints | None  # of order's boxes (None: a resting camera's pass, done before it starts)
     alive: np.ndarray  # [F] bool: not dropped
     rendered: np.ndarray  # [F] bool: in some wave already
     done: bool = False  # no wave left, or the last left every pixel unsaturated
@@ -139,6 +148,7 @@ class OcclusionReport:
     bytes_sent: int = 0  # splats the pass's rounds sent to other ranks
     gaussians_not_sent: int = 0  # of owned blocks dropped for cameras other ranks render: not projected, so not sent
     splats_reused: int = 0  # received in the pass, kept for the step, which does not send them again (camera's rank)
+    rested: int = 0  # cameras whose pass was left out, their last ones having dropped nothing (camera's rank)
 
     def fields(self) -> dict[str, int]:
         return {f"occ_{k}": v for k, v in vars(self).items()}
@@ -149,20 +159,23 @@ class OcclusionCuller:
 
     SLAB = 1.25  # a wave reaches this many times the depth of its nearest block
 
+    # A camera whose pass dropped nothing rests this many of its steps, doubling with each such
+    # pass in a row up to the last: its blocks are all kept meanwhile, which is always exact.
+    REST = (1, 2, 4, 8, 16)
+
     def __init__(self, bytes_per_gaussian: int, max_waves: int = 3) -> None:
         if max_waves < 1:
             raise ValueError(f"max_waves {max_waves}: must be at least 1")
         self.bytes_per_gaussian = bytes_per_gaussian
         self.max_waves = max_waves
         self.last: dict[str, list[str]] = {}  # camera name -> its kept blocks when last culled
+        self.fruitless: dict[str, int] = {}  # camera name -> its passes in a row that dropped nothing
+        self.rest_left: dict[str, int] = {}  # camera name -> its steps left without a pass
 
     def _nearest_first(self, camera: Camera, world: Region,
                        visible: list[str] | None = None) -> np.ndarray:  # -> [F] world rows
-        """The frustum's blocks (`visible`, world.visible(camera) where None: what the step would
-        page) as rows of `world`, nearest first."""
-        row = {k: i for i, k in enumerate(world.keys)}
-        keys = world.visible(camera) if visible is None else visible
-        frustum = np.array([row[k] for k in keys], dtype=np.int64)
+        """`_frustum_rows`, nearest first."""
+        frustum = _frustum_rows(camera, world, visible)
         return frustum[front_to_back(world.extents[frustum], camera.viewmat)]
 
     def _wave(self, pending: np.ndarray, depth: np.ndarray) -> np.ndarray:  # [P] sorted by depth, [F] -> [W]
@@ -192,6 +205,12 @@ class OcclusionCuller:
         order = self._nearest_first(camera, world, visible)
         foot = box_footprints(world.extents[order], camera.viewmat, camera.K, camera.width, camera.height)
         return CameraPass(order, foot, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool))
+
+    @staticmethod
+    def resting(camera: Camera, world: Region) -> CameraPass:
+        """A pass that keeps the camera's whole frustum and draws nothing."""
+        order = _frustum_rows(camera, world)
+        return CameraPass(order, None, np.ones(len(order), dtype=bool), np.zeros(len(order), dtype=bool), done=True)
 
     def next_wave(self, p: CameraPass) -> np.ndarray:  # -> [W] positions in p.order, marked rendered
         """The pass's next wave; empty, and the pass done, when none is left."""
@@ -280,7 +299,8 @@ class OcclusionCuller:
         number of ranks. The splats of kept blocks that crossed ranks are handed to the step
         (`Delivered`), which sends only the rest."""
         rank, mine = exchange.rank, set(owned.keys)
-        passes = [self.start(cam, world) for cam in cameras]
+        rested = [self._rests(cam.name) for cam in cameras]
+        passes = [self.resting(cam, world) if rests else self.start(cam, world) for cam, rests in zip(cameras, rested)]
         drawn: dict[int, list[Splats2D]] = {i: [] for i, r in enumerate(cam_rank) if r == rank}
         # What crossed ranks, block by block, for the step to reuse: wave keys in order, each
         # one's splat count, and (on the camera's rank) the splats, their rows in that order.
@@ -323,6 +343,8 @@ class OcclusionCuller:
                         arrived.setdefault((src, i), []).append((keys, per_block, got))
         culls = []
         for i, (cam, p) in enumerate(zip(cameras, passes)):
+            if not rested[i]:
+                self._judged(cam.name, dropped=not p.alive.all())
             self.last[cam.name] = [world.keys[j] for j in sorted(p.order[p.alive].tolist())]  # world rows: Morton order
             culls.append(CameraCull(owned.union([self.last[cam.name]]), owned.union([[world.keys[j] for j in p.order]]),
                                     p.waves if cam_rank[i] == rank else 0, wave_blocks[i]))
@@ -331,7 +353,19 @@ class OcclusionCuller:
         remote = [r != rank for r in cam_rank]
         report = self._report(culls, remote, owned, exchange.bytes_sent - sent)
         report.splats_reused = sum(len(s) for s in delivered.held.splats.values())
+        report.rested = sum(r for r, owner in zip(rested, cam_rank) if owner == rank)
         return culls, report, delivered
+
+    def _rests(self, name: str) -> bool:
+        """Whether this camera's pass is left out this step (and one step of its rest taken)."""
+        left = self.rest_left.get(name, 0)
+        self.rest_left[name] = max(left - 1, 0)
+        return left > 0
+
+    def _judged(self, name: str, dropped: bool) -> None:
+        """After a pass: a camera that dropped nothing rests (`REST`); one that did is culled again next time."""
+        self.fruitless[name] = 0 if dropped else self.fruitless.get(name, 0) + 1
+        self.rest_left[name] = self.REST[min(self.fruitless[name], len(self.REST)) - 1] if self.fruitless[name] else 0
 
     @staticmethod
     def _delivered(sent_keys: dict[int, list[tuple[list[str], np.ndarray]]],
