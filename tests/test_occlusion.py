@@ -414,7 +414,8 @@ def test_held_splats_must_be_what_the_sender_left_off_the_wire():
     held = Held({}, {(1, 0): three})
     assert held.check(1, 0, 3) is three
     assert held.check(0, 1, 0) is None
-    with pytest.raises(RuntimeError, match="rank 1 left 2 rows of camera 0's splats off the wire, but this rank holds 3"):
+    with pytest.raises(RuntimeError, match="rank 1 left 2 rows of camera 0's splats off the wire, but this rank "
+                                           "holds 3"):
         held.check(1, 0, 2)
     with pytest.raises(RuntimeError, match="holds 0"):
         held.check(0, 1, 2)

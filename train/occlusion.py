@@ -56,7 +56,7 @@ from train.camera import Camera
 from train.exchange import Exchange, Held
 from train.region import Region
 from train.render import Splats2D, rasterize
-from train.step import Delivered, gather, project_owned, sh_coeffs_gathered
+from train.step import Delivered, gather_for_degree, project_owned
 from train.waves import raster_bytes, step_bytes
 
 OCCLUSION_MODES = ("off", "on")
@@ -256,8 +256,7 @@ class OcclusionCuller:
         try:
             with cache.working(step_bytes(keys, [keys], cache, backward=False), f"culling for {camera.name}",
                                strict=False):
-                g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False,
-                           sh_coeffs=sh_coeffs_gathered(sh_degree, backend))
+                g = gather_for_degree({k: cache.get(k).tensors for k in keys}, keys, False, sh_degree, backend)
                 projected = list(project_owned(g, [keys], [camera], sh_degree, backend).splats.values())
         finally:
             cache.unpin(keys)

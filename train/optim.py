@@ -281,9 +281,15 @@ class AdamStep:
         return 0 if self.mode == "contributed" else self.number
 
 
+def joined_parts(parts: list[Tensor]) -> Tensor:  # [M, ...]
+    """The parts' rows as one tensor: a lone part as it is, sharing its memory (no copy of every
+    row each step), several copied into one."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def joined_rows(blocks: list[dict[str, Tensor]], name: str) -> Tensor:  # [M, ...]
-    """Array `name` of the blocks' rows as one tensor: a lone block's own (shared memory), else a copy."""
-    return blocks[0][name] if len(blocks) == 1 else torch.cat([b[name] for b in blocks])
+    """Array `name` of the blocks' rows as one tensor (`joined_parts`)."""
+    return joined_parts([b[name] for b in blocks])
 
 
 def put_back_rows(blocks: list[dict[str, Tensor]], name: str, value: Tensor) -> None:  # value [M, ...]

@@ -33,7 +33,7 @@ from train.exchange import Exchange, Held, Incoming
 from train.losses import SSIM_LAMBDA, Regularizers, training_loss
 from train.blockwise import block_threads, share_blocks
 from train.optim import (
-    PARALLEL_ROWS, AdamConfig, AdamStep, LazyDense, SparseAdam, adam_batch, block_of_rows, numpy_arrays,
+    PARALLEL_ROWS, AdamConfig, AdamStep, LazyDense, SparseAdam, adam_batch, block_of_rows, joined_parts, numpy_arrays,
 )
 from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
@@ -98,12 +98,6 @@ class Gathered:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _joined(parts: list[Tensor]) -> Tensor:
-    """The blocks' rows as one tensor: a single block is used as it is, sharing its memory (no
-    copy of every row each step), several are copied into one."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool,
            sh_coeffs: int | None = None) -> Gathered:
     """The blocks' rows as one batch; with `sh_coeffs`, shN's leading coefficients only (those the
@@ -120,7 +114,7 @@ def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad:
         joined = _joined_on_threads(parts, offsets, threads)
     else:
         # A leaf sharing a block's memory is safe: Adam writes the block only after the backward.
-        joined = {name: _joined(p) if keys else torch.zeros(0) for name, p in parts.items()}
+        joined = {name: joined_parts(p) if keys else torch.zeros(0) for name, p in parts.items()}
     return Gathered(keys, offsets, {name: t.detach().requires_grad_(requires_grad) for name, t in joined.items()})
 
 
@@ -143,6 +137,12 @@ def _joined_on_threads(parts: dict[str, list[Tensor]], offsets: list[int], threa
 
     share_blocks(len(tasks), threads, copy)
     return out
+
+
+def gather_for_degree(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool, sh_degree: int,
+                      backend: str) -> Gathered:
+    """`gather` with the SH coefficients a projection at this degree reads (`sh_coeffs_gathered`)."""
+    return gather(blocks, keys, requires_grad, sh_coeffs_gathered(sh_degree, backend))
 
 
 def sh_coeffs_gathered(sh_degree: int, backend: str) -> int | None:
@@ -204,7 +204,7 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
         return {}
     if next(iter(blocks.values()))["means"].device.type != "cpu":
         return dict(zip(blocks, _extent_boxes_device(blocks).tolist()))
-    means, scales = (_joined([t[name].detach() for t in blocks.values()]).numpy() for name in ("means", "scales"))
+    means, scales = (joined_parts([t[name].detach() for t in blocks.values()]).numpy() for name in ("means", "scales"))
     starts = np.cumsum([0] + [len(t["means"]) for t in blocks.values()])[:-1]
     boxes = extent_boxes(means, scales, starts)
     return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}
@@ -212,7 +212,7 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
 
 def _extent_boxes_device(blocks: dict[str, dict[str, Tensor]]) -> Tensor:  # [B, 6] float64 on the host
     """`octree.bounds.extent_boxes` (the same sigma and limit, float64) by torch's scatter reductions."""
-    means, scales = (_joined([t[name].detach() for t in blocks.values()]) for name in ("means", "scales"))
+    means, scales = (joined_parts([t[name].detach() for t in blocks.values()]) for name in ("means", "scales"))
     r = (EXTENT_SIGMA * torch.exp(scales.amax(dim=1).to(torch.float64)))[:, None]  # [N, 1]
     means = means.to(torch.float64)
     rows = block_of_rows([len(t["means"]) for t in blocks.values()], means.device)[:, None].expand(-1, 3)
@@ -315,7 +315,7 @@ def page_in(cameras: list[Camera], region: Region, cache, visible: list[list[str
 
 
 def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, backend: str) -> Projected:
-    g = gather(paged.tensors, paged.keys, requires_grad=True, sh_coeffs=sh_coeffs_gathered(sh_degree, backend))
+    g = gather_for_degree(paged.tensors, paged.keys, True, sh_degree, backend)
     projection = project_owned(g, paged.visible, cameras, sh_degree, backend)
     return Projected(g, projection, projection.splats, sh_degree)
 
@@ -624,8 +624,7 @@ def project_waves(
                     prepare(k)
                 inside = set(keys)
                 vis = [[k for k in v if k in inside] for v in visible]
-                g = gather({k: cache.get(k).tensors for k in keys}, keys, requires_grad=False,
-                           sh_coeffs=sh_coeffs_gathered(sh_degree, backend))
+                g = gather_for_degree({k: cache.get(k).tensors for k in keys}, keys, False, sh_degree, backend)
                 if clock is not None:
                     clock.mark("io")
                 splats = project_owned(g, vis, cameras, sh_degree, backend).splats

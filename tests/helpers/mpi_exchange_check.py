@@ -38,7 +38,8 @@ def _back(src: int, dest: int, cam: int, absgrad: bool) -> tuple[torch.Tensor, t
     negative zero gradient, 2 contributed with a zero gradient, 3 a gradient without the flag."""
     m = _rows(src, dest, cam)
     g = torch.Generator().manual_seed(7 + 1000 * src + 100 * dest + cam)
-    grads, flags, ab = torch.randn(m, GRAD_FLOATS, generator=g), torch.ones(m, dtype=torch.bool), torch.rand(m, 2, generator=g)
+    grads, ab = torch.randn(m, GRAD_FLOATS, generator=g), torch.rand(m, 2, generator=g)
+    flags = torch.ones(m, dtype=torch.bool)
     kind = torch.arange(m) % 5
     grads[kind == 0], flags[kind == 0], ab[kind == 0] = 0.0, False, 0.0
     grads[kind == 1], ab[kind == 1] = -0.0, 0.0
@@ -58,9 +59,9 @@ def main() -> None:
     me, size = ex.rank, ex.size
     for absgrad in (False, True):
         outgoing = {(d, c): _splats(me, d, c) for d in range(size) for c in range(CAMERAS) if d != me}
-        held = Held({(d, c): _held(me, d, c) for d in range(size) for c in range(CAMERAS) if d != me and _held(me, d, c)},
-                    {(s, c): _splats(s, me, c).select(slice(0, _held(s, me, c)))
-                     for s in range(size) for c in range(CAMERAS) if s != me and _held(s, me, c)})
+        others = [(r, c) for r in range(size) for c in range(CAMERAS) if r != me]
+        held = Held({(d, c): _held(me, d, c) for d, c in others if _held(me, d, c)},
+                    {(s, c): _splats(s, me, c).select(slice(0, _held(s, me, c))) for s, c in others if _held(s, me, c)})
         sent = ex.bytes_sent
         incoming = ex.send_splats(outgoing, CAMERAS, held)
         wire = 4 * WIRE_FLOATS * sum(_rows(me, d, c) - _held(me, d, c) for d in range(size) for c in range(CAMERAS)

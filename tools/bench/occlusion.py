@@ -120,7 +120,8 @@ def _row(label: str, runs: list[TrainRun], cfg: BenchConfig, frustum: float) -> 
     sent = ""
     if cfg.ranks > 1:
         sent = (f" {_per_step(r, 'bytes_sent', warmup) / MiB:>9.3f} "
-                f"{_per_step(r, 'occ_bytes_sent', warmup) / MiB:>9.3f} {_per_step(r, 'occ_splats_reused', warmup):>8,.0f}")
+                f"{_per_step(r, 'occ_bytes_sent', warmup) / MiB:>9.3f} "
+                f"{_per_step(r, 'occ_splats_reused', warmup):>8,.0f}")
     return (f"  {label:<4} {frustum:>10,.0f} {kept:>10,.0f} {_per_step(r, 'projected', warmup):>10,.0f} "
             f"{rasterized:>11,.0f} {_per_step(r, 'blocks', warmup):>7.1f} "
             f"{read:>9.2f} {_per_step(r, 'occ_bytes_not_read', warmup) / MiB:>10.3f}{sent} {seconds:>8.3f} "
