@@ -97,6 +97,8 @@ class LocalExchange:
     size = 1
     bytes_sent = 0
     bytes_received = 0
+    grad_bytes_sent = 0
+    grad_bytes_received = 0
 
     def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int,
                     held: Held | None = None) -> Incoming:

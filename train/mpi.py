@@ -2,9 +2,9 @@
 
 Per step: `Alltoall` of per-camera splat counts (with the leading rows of each part that the
 receiver holds already from the occlusion pass, `Held`, which stay off the wire), `Alltoallv` of
-packed float32 splats (12 floats each); back the other way `Alltoallv` of a bit per splat
-(whether its row comes) and `Alltoallv` of 10 floats per splat whose row is not all zero (9
-gradient floats and the rasterizer's contributed flag): a splat no pixel blended has none.
+packed float32 splats (12 floats each); back the other way `Alltoallv` of two bits per splat
+(whether its gradient row comes, and the rasterizer's contributed flag) and `Alltoallv` of the
+9 gradient floats of each splat whose row is not all zero: a splat no pixel blended has none.
 Layouts on both sides are (rank, camera ascending), so no ids travel. On a GPU a message is
 packed on the device and crosses to the host in one copy, and what arrives goes to the device
 in one copy.
@@ -23,15 +23,14 @@ from train.exchange import Held, Incoming
 from train.render import Splats2D
 from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 
-_BACK_FLOATS = GRAD_FLOATS + 1  # gradients and the contributed flag
 
 
 def _displacements(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
-def _mask_bytes(rows: np.ndarray) -> np.ndarray:  # [R, n_cameras] rows of each part -> bytes of its bit mask
-    return (rows + 7) // 8
+def _mask_bytes(rows: np.ndarray) -> np.ndarray:  # [R, n_cameras] rows of each part -> bytes of its two bits a row
+    return (2 * rows + 7) // 8
 
 
 def _per_rank(per_part: list, shape_of: np.ndarray) -> np.ndarray:  # counts in (rank, camera) order -> [R] sums
@@ -46,6 +45,8 @@ class MPIExchange:
         self.size = comm.Get_size()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.grad_bytes_sent = 0  # of those, the gradients' return (`return_grads`)
+        self.grad_bytes_received = 0
         self.seconds = 0.0
         self._sent: np.ndarray | None = None  # [R, n_cameras] splats this rank sent
         self._received: np.ndarray | None = None  # [R, n_cameras] splats this rank received
@@ -106,33 +107,40 @@ class MPIExchange:
         t0 = time.perf_counter()
         assert self._sent is not None and self._received is not None, "return_grads before send_splats"
         n_cameras = self._sent.shape[1]
-        width = _BACK_FLOATS + (2 if absgrad is not None else 0)
+        width = GRAD_FLOATS + (2 if absgrad is not None else 0)
         by_source = {(src, cam): s for cam, lst in incoming.items() for src, s in lst}
-        parts = []
+        parts, flags = [], []
         for src in range(self.size):
             for cam in range(n_cameras):
                 if self._received[src, cam]:
-                    s = by_source[(src, cam)]
-                    flags = contributed.get((src, cam), torch.zeros(len(s), dtype=torch.bool, device=self.device))
-                    cols = [grads.get((src, cam), torch.zeros(len(s), GRAD_FLOATS, device=self.device)).to(torch.float32),
-                            flags.to(torch.float32)[:, None]]
+                    m = len(by_source[(src, cam)])
+                    flags.append(contributed.get((src, cam), torch.zeros(m, dtype=torch.bool, device=self.device)))
+                    cols = [grads.get((src, cam), torch.zeros(m, GRAD_FLOATS, device=self.device)).to(torch.float32)]
                     if absgrad is not None:
-                        cols.append(absgrad.get((src, cam), torch.zeros(len(s), 2, device=self.device)).to(torch.float32))
+                        cols.append(absgrad.get((src, cam), torch.zeros(m, 2, device=self.device)).to(torch.float32))
                     parts.append(torch.cat(cols, 1))
         send = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, width), np.float32)
-        # A row whose bits are all zero (a splat no pixel blended: no gradient, not contributed;
-        # most of a frustum's behind its surfaces) stays off the wire; a bit a row says which came.
+        flag = torch.cat(flags).cpu().numpy() if flags else np.zeros(0, bool)
+        # Two bits a splat, its row's and its contributed flag; the row itself only where its
+        # bits are not all zero (a splat no pixel blended has no gradient: most of a frustum's
+        # behind its surfaces).
         nonzero = send.view(np.int32).any(axis=1)
-        ours = np.split(nonzero, np.cumsum(self._received.ravel())[:-1])  # per (source, camera) we rendered
+        sent0, received0 = self.bytes_sent, self.bytes_received
+        cuts = np.cumsum(self._received.ravel())[:-1]
+        ours = [np.concatenate(pair) for pair in zip(np.split(nonzero, cuts), np.split(flag, cuts))]
         masks = self._alltoallv_bytes(np.concatenate([np.packbits(m) for m in ours]),
                                       _mask_bytes(self._received).sum(1), _mask_bytes(self._sent).sum(1))
-        came = [np.unpackbits(m, count=n).astype(bool) for m, n in  # per (dest, camera) of our splats
+        bits = [np.unpackbits(m, count=2 * n).astype(bool) for m, n in  # per (dest, camera) of our splats
                 zip(np.split(masks, np.cumsum(_mask_bytes(self._sent).ravel())[:-1]), self._sent.ravel())]
-        rows = self._alltoallv(send[nonzero], _per_rank([m.sum() for m in ours], self._received),
+        came = [b[: len(b) // 2] for b in bits]
+        rows = self._alltoallv(send[nonzero], _per_rank([m[: len(m) // 2].sum() for m in ours], self._received),
                                _per_rank([c.sum() for c in came], self._sent), width)
+        self.grad_bytes_sent += self.bytes_sent - sent0
+        self.grad_bytes_received += self.bytes_received - received0
         buf = np.zeros((int(self._sent.sum()), width), np.float32)
         buf[np.concatenate(came)] = rows
         buf = torch.from_numpy(buf).to(self.device)
+        back_flags = torch.from_numpy(np.concatenate([b[len(b) // 2:] for b in bits])).to(self.device)
         out: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
         offset = 0
         for dest in range(self.size):
@@ -140,8 +148,8 @@ class MPIExchange:
                 m = int(self._sent[dest, cam])
                 if m:
                     chunk = buf[offset : offset + m]
-                    out[(dest, cam)] = (chunk[:, :GRAD_FLOATS].contiguous(), chunk[:, GRAD_FLOATS] > 0.5,
-                                        chunk[:, _BACK_FLOATS:].contiguous() if absgrad is not None else None)
+                    out[(dest, cam)] = (chunk[:, :GRAD_FLOATS].contiguous(), back_flags[offset : offset + m],
+                                        chunk[:, GRAD_FLOATS:].contiguous() if absgrad is not None else None)
                     offset += m
         self.seconds += time.perf_counter() - t0
         return out

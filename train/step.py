@@ -142,7 +142,7 @@ def _joined_on_threads(parts: dict[str, list[Tensor]], offsets: list[int], threa
 def gather_for_degree(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool, sh_degree: int,
                       backend: str) -> Gathered:
     """`gather` with the SH coefficients a projection at this degree reads (`sh_coeffs_gathered`)."""
-    return gather(blocks, keys, requires_grad, sh_coeffs_gathered(sh_degree, backend))
+    return gather(blocks, keys, requires_grad=requires_grad, sh_coeffs=sh_coeffs_gathered(sh_degree, backend))
 
 
 def sh_coeffs_gathered(sh_degree: int, backend: str) -> int | None:

@@ -237,7 +237,7 @@ class Trainer:
         self.images = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
         self.pending: dict[int, dict[int, Future]] = {}  # step -> camera index -> its photo, loading
         self.bar = progress_bar(cfg.steps, start, enabled=cfg.progress and self.rank == 0)
-        self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
+        self._traffic0 = _traffic(exchange)
         self.skipped = self.skipped_in_row = 0  # steps skipped for a non-finite loss or gradient
 
     def _set_regions(self, table: dict) -> None:
@@ -491,11 +491,10 @@ class Trainer:
                            seconds=seconds, imbalance=imbalance, imbalance_seconds=imbalance_seconds,
                            **{f"t_{phase}": round(t, 5) for phase, t in stats.timings.items()},
                            **{f"cpu_{phase}": round(t, 5) for phase, t in stats.cpu.items()},
-                           bytes_sent=exchange.bytes_sent - self._sent0,
-                           bytes_received=exchange.bytes_received - self._received0,
+                           **{k: v - self._traffic0[k] for k, v in _traffic(exchange).items()},
                            **_cache_fields(cache, self.ceiling),
                            **stats.occlusion)
-            self._sent0, self._received0 = exchange.bytes_sent, exchange.bytes_received
+            self._traffic0 = _traffic(exchange)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats.loss:.4f}", psnr=f"{stats.psnr:.2f}", gs=str(gaussians),
                              hit=f"{cache.stats.hit_rate:.2f}", io=f"{cache.stats.io_wait_s:.1f}s",
@@ -595,6 +594,13 @@ def _cache_fields(cache: BlockCache, ceiling: MemoryCeiling | None = None) -> di
     return {"cache_hit_rate": round(s.hit_rate, 4), "io_wait_s": round(s.io_wait_s, 3), "io_s": round(s.io_s, 3),
             "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
             "peak_rss_mib": round(peak / 2**20, 1), **gpu, **budget}
+
+
+def _traffic(exchange: Exchange) -> dict[str, int]:
+    """The exchange's byte counters so far: all it sent and received, and of that the gradients'
+    return (`grad_`), which depends on which splats got a gradient."""
+    return {"bytes_sent": exchange.bytes_sent, "bytes_received": exchange.bytes_received,
+            "grad_bytes_sent": exchange.grad_bytes_sent, "grad_bytes_received": exchange.grad_bytes_received}
 
 
 def _num_gaussians(store: Store) -> int:

@@ -74,14 +74,16 @@ def main() -> None:
         assert {(src, cam) for cam, p in incoming.items() for src, _ in p} == \
             {(s, c) for s in range(size) for c in range(CAMERAS) if s != me and _rows(s, me, c)}
         backs = {(src, cam): _back(src, me, cam, absgrad) for cam, p in incoming.items() for src, _ in p}
-        sent = ex.bytes_sent
+        sent, grad_sent = ex.bytes_sent, ex.grad_bytes_sent
         out = ex.return_grads(incoming, {k: v[0] for k, v in backs.items()}, {k: v[1] for k, v in backs.items()},
                               {k: v[2] for k, v in backs.items()} if absgrad else None)
-        width = GRAD_FLOATS + 1 + (2 if absgrad else 0)
-        # a bit a splat, and a row of floats for every one with some bit set
-        expect = sum((m + 7) // 8 + 4 * width * int((torch.arange(m) % 5 != 0).sum())
+        width = GRAD_FLOATS + (2 if absgrad else 0)
+        # two bits a splat, and its gradient floats where some bit of them is set (not in rows of
+        # kind 0, all zero, nor of kind 2, whose flag alone is set)
+        sent_kinds = torch.tensor([1, 3, 4])
+        expect = sum((2 * m + 7) // 8 + 4 * width * int(torch.isin(torch.arange(m) % 5, sent_kinds).sum())
                      for (src, cam) in backs for m in [_rows(src, me, cam)])
-        assert ex.bytes_sent - sent == expect, (ex.bytes_sent - sent, expect)
+        assert ex.bytes_sent - sent == ex.grad_bytes_sent - grad_sent == expect, (ex.bytes_sent - sent, expect)
         assert set(out) == {(d, c) for d in range(size) for c in range(CAMERAS) if d != me and _rows(me, d, c)}
         for (dest, cam), (grads, flags, ab) in out.items():
             want = _back(me, dest, cam, absgrad)

@@ -72,7 +72,9 @@ from train.step import COMPUTE_PHASES
 
 # Bytes per travelling splat.
 OURS_FORWARD_FLOATS = WIRE_FLOATS  # 12; float32 or float16 on the wire
-OURS_BACKWARD_BYTES = (GRAD_FLOATS + 1) * 4  # 9 float32 gradients and the contributed flag
+# At most: 9 float32 gradients (sent only where some is nonzero) and two bits (whether they come,
+# and the contributed flag), a part's bits rounded up to whole bytes (at most a byte a splat).
+OURS_BACKWARD_BYTES = GRAD_FLOATS * 4 + 1
 GSPLAT_FORWARD_BYTES = 56  # 2 int32 radii, 10 float32, 2 int32 ids (the issue's figure)
 GSPLAT_FORWARD_BYTES_INT64_IDS = 64  # what 1.5.3's CUDA projection allocates: int64 camera/Gaussian ids
 GSPLAT_BACKWARD_BYTES = 40  # gradients of the 10 float32 columns
@@ -532,7 +534,7 @@ def planned(argv: list[str]) -> int:
     print(f"\ncity of {a.gaussians:g} ground-truth Gaussians; the store tiled from its point cloud holds "
           f"{of_store['gaussians']:,} in {of_store['blocks']} blocks; {a.ranks} ranks x 1 camera, {a.steps} steps")
     measured = _compare(run.ranks, of_store, a.ranks, a.steps)
-    real_step = measured["bytes_sent"].sum() / a.steps
+    real_step = sum(sum(r["bytes_sent"] for r in lines[:a.steps]) for lines in run.ranks) / a.steps
     city_step = of_city["per_step"]["bytes_ours_fwd_bwd"]  # both directions of every travelling splat
     print(f"city mode ({of_city['gaussians']:,} Gaussians, the ground truth's model): {city_step:,.0f} B a step "
           f"against the run's {real_step:,.0f} ({(city_step - real_step) / real_step:+.1%}); splats a step "
@@ -543,14 +545,16 @@ def planned(argv: list[str]) -> int:
 
 def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) -> dict[str, np.ndarray]:
     """Print the run's bytes per step and rank beside the store plan's; returns the run's [steps, R]."""
-    measured = {k: np.array([[r[k] for r in lines[:steps]] for lines in ranks], dtype=np.float64).T
-                for k in ("bytes_sent", "bytes_received")}
+    # the splats' bytes: what the exchange sent and received less the gradients' return
+    measured = {f"splat_{k}": np.array([[r[k] - r[f"grad_{k}"] for r in lines[:steps]] for lines in ranks],
+                                       dtype=np.float64).T for k in ("bytes_sent", "bytes_received")}
     by_store = {k: np.array([s[k] for s in of_store["steps"]]) for k in measured}
     print(f"{'step':>4s} {'rank':>4s} {'sent (real)':>14s} {'planned':>14s} {'received (real)':>16s} {'planned':>14s}")
     for step in range(steps):
         for r in range(n_ranks):
-            print(f"{step + 1:4d} {r:4d} {measured['bytes_sent'][step, r]:14,.0f} {by_store['bytes_sent'][step, r]:14,.0f} "
-                  f"{measured['bytes_received'][step, r]:16,.0f} {by_store['bytes_received'][step, r]:14,.0f}")
+            print(f"{step + 1:4d} {r:4d} {measured['splat_bytes_sent'][step, r]:14,.0f} "
+                  f"{by_store['splat_bytes_sent'][step, r]:14,.0f} "
+                  f"{measured['splat_bytes_received'][step, r]:16,.0f} {by_store['splat_bytes_received'][step, r]:14,.0f}")
     exact = sum(int((by_store[k] == measured[k]).sum()) for k in measured)
     worst = max(float(np.abs(by_store[k] - measured[k]).max() / max(measured[k].max(), 1)) for k in measured)
     each = np.concatenate([np.abs(by_store[k] - measured[k]).ravel() / np.maximum(measured[k].ravel(), 1)

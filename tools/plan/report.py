@@ -67,8 +67,9 @@ def plan_document(plan: Plan, network_gbps: float, cache_gb: float | None) -> di
             "seconds_ours": float(links["ours"].max() / bytes_per_s),
             "seconds_gsplat": float(links["gsplat"].max() / bytes_per_s),
         },
-        # Each planned step as the trainer logs it (`bytes_sent`, `bytes_received` of a rank's
-        # metrics line): forward splats out and their gradients in, and the other way round.
+        # Each planned step: a rank's splat bytes out and in, which the trainer logs as
+        # `bytes_sent` - `grad_bytes_sent` (and received), and at most the gradients' return
+        # (only splats that got a gradient send theirs: which ones, only the rendering knows).
         "steps": [_step_record(step) for step in plan.steps],
         "cache": {
             "needed_bytes_max": int(cache.max()),
@@ -83,8 +84,10 @@ def _step_record(step) -> dict[str, Any]:
     t = step.rank_traffic()
     sent, received = t["ours sent"], t["ours received"]
     return {"cameras": step.cameras.tolist(), "camera_ranks": step.ranks.tolist(),
-            "bytes_sent": (sent * OURS_FORWARD_BYTES + received * OURS_BACKWARD_BYTES).tolist(),
-            "bytes_received": (received * OURS_FORWARD_BYTES + sent * OURS_BACKWARD_BYTES).tolist()}
+            "splat_bytes_sent": (sent * OURS_FORWARD_BYTES).tolist(),
+            "splat_bytes_received": (received * OURS_FORWARD_BYTES).tolist(),
+            "grad_bytes_sent_max": (received * OURS_BACKWARD_BYTES).tolist(),
+            "grad_bytes_received_max": (sent * OURS_BACKWARD_BYTES).tolist()}
 
 
 def print_plan(doc: dict[str, Any], header: list[str]) -> None:
@@ -107,7 +110,7 @@ def print_plan(doc: dict[str, Any], header: list[str]) -> None:
         t = s[f"travelling_{key}"]
         print(f"{name:22s} {t:18,.0f} {t / max(s['splats'], 1):7.1%} {s[f'bytes_{key}_fwd'] / 1e9:9.3f} "
               f"{s[f'bytes_{key}_fwd_bwd'] / 1e9:11.3f} {s[f'seconds_{key}']:14.3f}")
-    print(f"(ours {OURS_FORWARD_BYTES} B forward + {OURS_BACKWARD_BYTES} B back a travelling splat, gsplat "
+    print(f"(ours {OURS_FORWARD_BYTES} B forward + at most {OURS_BACKWARD_BYTES} B back a travelling splat, gsplat "
           f"{GSPLAT_FORWARD_BYTES} + {GSPLAT_BACKWARD_BYTES}; seconds: the busiest rank's link, the larger direction)")
     c = doc["cache"]
     line = f"\ncache: the busiest rank pins {c['needed_bytes_max'] / 1e9:.2f} GB of blocks for one step"
