@@ -14,7 +14,7 @@ from train.camera import Camera
 from train.render.cpu.function import rasterize_cpu
 from train.render.batch import AutogradBatch, ProjectedBatch, View
 from train.render.cpu.projection import CpuProjectedBatch, project_cpu
-from train.render.errors import RenderError, all_finite, nonfinite
+from train.render.errors import RenderError, all_finite, first_nonfinite, nonfinite
 from train.render.semantics import MAX_SH_DEGREE, num_sh_bases
 from train.render.splats2d import RasterOutput, Splats2D
 
@@ -52,10 +52,11 @@ def check_splats(splats: dict[str, Tensor], sh_degree: int, finite: bool = True)
     used = num_sh_bases(sh_degree) - 1
     if used > k:
         raise RenderError(f"sh_degree {sh_degree} needs {used} shN coefficients, splats['shN'] has {k}")
-    for name in SPLAT_KEYS if finite else ():
-        # Coefficients above the degree are never read: a NaN there cannot reach the image.
-        if not all_finite(splats[name] if name != "shN" else splats[name][:, :used]):
-            raise nonfinite(f"splats['{name}']")
+    # Coefficients above the degree are never read: a NaN there cannot reach the image.
+    bad = first_nonfinite((name, splats[name] if name != "shN" else splats[name][:, :used])
+                          for name in SPLAT_KEYS) if finite else None
+    if bad is not None:
+        raise bad
 
 
 def _check_backend(backend: str, device: torch.device, what: str) -> None:

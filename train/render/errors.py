@@ -1,6 +1,9 @@
 """The renderer's error type: bad splats, cameras or backends, named in the message."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,3 +24,12 @@ def nonfinite(field: str) -> RenderError:
     """The error for a field (`splats['means']`, `splats2d.conics`) holding NaN or inf, wherever
     it is found: by a torch pass, or by the kernel that reads it."""
     return RenderError(f"{field}: contains NaN or inf")
+
+
+def first_nonfinite(fields: Iterable[tuple[str, Tensor | np.ndarray]]) -> RenderError | None:
+    """The error for the first (name, values) of the splats' fields holding NaN or inf (shN's
+    values: the coefficients the degree reads), or None if every one is finite."""
+    for name, values in fields:
+        if not (all_finite(values) if isinstance(values, Tensor) else bool(np.isfinite(values).all())):
+            return nonfinite(f"splats['{name}']")
+    return None

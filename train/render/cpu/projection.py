@@ -23,7 +23,7 @@ from train.render.cpu.compiled import FINITE_FASTMATH
 from train.render.cpu.mat3 import matmul, matvec, quat_to_rotmat, rotmat_vjp, transpose
 from train.render.cpu.sh import sh_basis, sh_basis_grads
 from train.render.semantics import ALPHA_MIN, EPS2D, FAR_PLANE, NEAR_PLANE, RADIUS_SIGMAS, num_sh_bases
-from train.render.errors import RenderError, nonfinite
+from train.render.errors import RenderError, first_nonfinite, nonfinite
 from train.render.splats2d import GRAD_FLOATS, Splats2D
 
 _FOV_MARGIN = 0.3  # the Jacobian is evaluated at most 30% of a half field of view outside the image
@@ -341,10 +341,9 @@ def _project_rows(arrays: list[np.ndarray], cam: np.ndarray, width: int, height:
 
 def _nonfinite_field(arrays: list[np.ndarray], rows: np.ndarray, n_bases: int) -> RenderError:
     """The error naming the first parameter (in `_PARAM_ORDER`) with a NaN or inf among `rows`."""
-    for name, a in zip(_PARAM_ORDER, arrays):
-        if not np.isfinite(a[rows] if name != "shN" else a[rows, :n_bases - 1]).all():
-            return nonfinite(f"splats['{name}']")
-    return nonfinite("splats")  # (a float64 sum of float32 values cannot overflow)
+    bad = first_nonfinite((name, a[rows] if name != "shN" else a[rows, :n_bases - 1])
+                          for name, a in zip(_PARAM_ORDER, arrays))
+    return bad if bad is not None else nonfinite("splats")  # (a float64 sum of float32 values cannot overflow)
 
 
 class _Project(torch.autograd.Function):
