@@ -326,16 +326,16 @@ def _delivered_first(part: Splats2D, keys: list[str], offsets: list[int], first:
     others follow as they were; a block's own rows keep their order (which is what the
     rasterizer's ties between identical splats, all in one block, can depend on)."""
     index = {k: i for i, k in enumerate(keys)}
-    rank = np.full(len(keys), len(first), dtype=np.int64)
-    rank[[index[k] for k in first]] = np.arange(len(first))
+    place = np.full(len(keys), len(first), dtype=np.int64)  # each block's place in the lead, past it if none
+    place[[index[k] for k in first]] = np.arange(len(first))
     block = np.searchsorted(np.asarray(offsets), part.ids.cpu().numpy(), side="right") - 1
-    return torch.from_numpy(np.argsort(rank[block], kind="stable")).to(part.ids.device)
+    return torch.from_numpy(np.argsort(place[block], kind="stable")).to(part.ids.device)
 
 
 def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int,
-                 blocks: tuple[list[str], list[int]] | None = None, delivered: Delivered | None = None) -> Routed:
+                 blocks: tuple[list[str], list[int]], delivered: Delivered | None = None) -> Routed:
     """owned: camera index -> this rank's splats for it; blocks: the keys and start rows of the
-    batch their ids index, which `delivered` (the occlusion pass's splats) needs."""
+    batch their ids index (where `delivered`, the occlusion pass's splats, lead a part)."""
     rank = exchange.rank
     outgoing = {(cam_rank[i], i): s for i, s in owned.items() if cam_rank[i] != rank}
     sent_order: dict[int, Tensor] = {}
