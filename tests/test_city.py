@@ -262,7 +262,7 @@ def test_byte_accounting_matches_per_gaussian_loops(tiny, tiny_counts):
         assert (got.splats, got.ours, got.gsplat) == (pairs, crossing, crossing_rr), policy
         b = got.per_step_bytes()
         assert b["ours fp32 fwd"] == crossing * 48 / steps and b["ours fp16 fwd"] == crossing * 24 / steps
-        assert b["ours fp32 fwd+bwd"] == crossing * (48 + 40) / steps
+        assert b["ours fp32 fwd+bwd"] == crossing * (48 + 37) / steps  # at most 37 B back a splat
         assert b["gsplat fwd"] == crossing_rr * 56 / steps and b["gsplat fwd+bwd"] == crossing_rr * 96 / steps
         assert got.ratios()["fp32 fwd"] == pytest.approx(48 * crossing / (56 * crossing_rr))
 
