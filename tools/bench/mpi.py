@@ -533,9 +533,9 @@ def planned(argv: list[str]) -> int:
             return 1
     print(f"\ncity of {a.gaussians:g} ground-truth Gaussians; the store tiled from its point cloud holds "
           f"{of_store['gaussians']:,} in {of_store['blocks']} blocks; {a.ranks} ranks x 1 camera, {a.steps} steps")
-    measured = _compare(run.ranks, of_store, a.ranks, a.steps)
+    _compare(run.ranks, of_store, a.ranks, a.steps)
     real_step = sum(sum(r["bytes_sent"] for r in lines[:a.steps]) for lines in run.ranks) / a.steps
-    city_step = of_city["per_step"]["bytes_ours_fwd_bwd"]  # both directions of every travelling splat
+    city_step = of_city["per_step"]["bytes_ours_fwd_bwd"]  # every travelling splat, both ways (back: at most)
     print(f"city mode ({of_city['gaussians']:,} Gaussians, the ground truth's model): {city_step:,.0f} B a step "
           f"against the run's {real_step:,.0f} ({(city_step - real_step) / real_step:+.1%}); splats a step "
           f"{of_city['per_step']['splats']:,.0f} planned")
@@ -563,9 +563,10 @@ def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) 
     planned_owned = of_store["per_rank"]["gaussians"]
     print("Gaussians owned per rank, run (step 1) / plan: "
           + ", ".join(f"{a:,} / {b:,.0f} ({(b - a) / max(a, 1):+.2%})" for a, b in zip(owned, planned_owned)))
-    print(f"\n--store plan: {exact} of {2 * measured['bytes_sent'].size} (step, rank, direction) figures exact; "
-          f"total bytes sent {_relative(by_store['bytes_sent'], measured['bytes_sent'])}, received "
-          f"{_relative(by_store['bytes_received'], measured['bytes_received'])} against the run; largest "
+    print(f"\n--store plan: {exact} of {2 * measured['splat_bytes_sent'].size} (step, rank, direction) splat byte "
+          f"figures exact; total sent {_relative(by_store['splat_bytes_sent'], measured['splat_bytes_sent'])}, "
+          f"received {_relative(by_store['splat_bytes_received'], measured['splat_bytes_received'])} against the "
+          f"run; largest "
           f"difference {worst:.2%} of the largest figure; each figure within {each.max():.2%} of its own "
           f"(median {np.median(each):.2%})")
     return measured
