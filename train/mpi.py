@@ -127,13 +127,14 @@ class MPIExchange:
         nonzero = send.view(np.int32).any(axis=1)
         sent0, received0 = self.bytes_sent, self.bytes_received
         cuts = np.cumsum(self._received.ravel())[:-1]
-        ours = [np.concatenate(pair) for pair in zip(np.split(nonzero, cuts), np.split(flag, cuts))]
-        masks = self._alltoallv_bytes(np.concatenate([np.packbits(m) for m in ours]),
+        going = np.split(nonzero, cuts)  # per (source, camera) we rendered
+        masks = self._alltoallv_bytes(np.concatenate([np.packbits(np.concatenate([r, f]))
+                                                      for r, f in zip(going, np.split(flag, cuts))]),
                                       _mask_bytes(self._received).sum(1), _mask_bytes(self._sent).sum(1))
         bits = [np.unpackbits(m, count=2 * n).astype(bool) for m, n in  # per (dest, camera) of our splats
                 zip(np.split(masks, np.cumsum(_mask_bytes(self._sent).ravel())[:-1]), self._sent.ravel())]
         came = [b[: len(b) // 2] for b in bits]
-        rows = self._alltoallv(send[nonzero], _per_rank([m[: len(m) // 2].sum() for m in ours], self._received),
+        rows = self._alltoallv(send[nonzero], _per_rank([r.sum() for r in going], self._received),
                                _per_rank([c.sum() for c in came], self._sent), width)
         self.grad_bytes_sent += self.bytes_sent - sent0
         self.grad_bytes_received += self.bytes_received - received0

@@ -56,7 +56,7 @@ from train.camera import Camera
 from train.exchange import Exchange, Held
 from train.region import Region
 from train.render import Splats2D, rasterize
-from train.step import Delivered, gather_for_degree, project_owned
+from train.step import Delivered, block_of_ids, gather_for_degree, project_owned
 from train.waves import raster_bytes, step_bytes
 
 OCCLUSION_MODES = ("off", "on")
@@ -262,8 +262,7 @@ class OcclusionCuller:
             cache.unpin(keys)
         if not projected or not len(projected[0]):
             return None, np.zeros(len(keys), dtype=np.int64)
-        block = np.searchsorted(np.asarray(g.offsets), projected[0].ids.cpu().numpy(), side="right") - 1
-        return projected[0], np.bincount(block, minlength=len(keys))
+        return projected[0], np.bincount(block_of_ids(g.offsets, projected[0].ids), minlength=len(keys))
 
     @staticmethod
     def _judge(p: CameraPass, parts: list[Splats2D], camera: Camera, cache, background: Tensor, backend: str

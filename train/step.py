@@ -98,6 +98,11 @@ class Gathered:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def block_of_ids(offsets: list[int], ids: Tensor) -> np.ndarray:  # [M] int64 -> [M] int64
+    """The block (index into the batch's keys) of each of these batch rows, the blocks starting at `offsets`."""
+    return np.searchsorted(np.asarray(offsets), ids.cpu().numpy(), side="right") - 1
+
+
 def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool,
            sh_coeffs: int | None = None) -> Gathered:
     """The blocks' rows as one batch; with `sh_coeffs`, shN's leading coefficients only (those the
@@ -328,8 +333,7 @@ def _delivered_first(part: Splats2D, keys: list[str], offsets: list[int], first:
     index = {k: i for i, k in enumerate(keys)}
     place = np.full(len(keys), len(first), dtype=np.int64)  # each block's place in the lead, past it if none
     place[[index[k] for k in first]] = np.arange(len(first))
-    block = np.searchsorted(np.asarray(offsets), part.ids.cpu().numpy(), side="right") - 1
-    return torch.from_numpy(np.argsort(place[block], kind="stable")).to(part.ids.device)
+    return torch.from_numpy(np.argsort(place[block_of_ids(offsets, part.ids)], kind="stable")).to(part.ids.device)
 
 
 def route_splats(owned: dict[int, Splats2D], cam_rank: list[int], exchange: Exchange, n_cams: int,

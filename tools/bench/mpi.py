@@ -543,8 +543,8 @@ def planned(argv: list[str]) -> int:
     return 0
 
 
-def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) -> dict[str, np.ndarray]:
-    """Print the run's bytes per step and rank beside the store plan's; returns the run's [steps, R]."""
+def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) -> None:
+    """Print the run's splat bytes per step and rank beside the store plan's."""
     # the splats' bytes: what the exchange sent and received less the gradients' return
     measured = {f"splat_{k}": np.array([[r[k] - r[f"grad_{k}"] for r in lines[:steps]] for lines in ranks],
                                        dtype=np.float64).T for k in ("bytes_sent", "bytes_received")}
@@ -569,7 +569,6 @@ def _compare(ranks: list[list[dict]], of_store: dict, n_ranks: int, steps: int) 
           f"run; largest "
           f"difference {worst:.2%} of the largest figure; each figure within {each.max():.2%} of its own "
           f"(median {np.median(each):.2%})")
-    return measured
 
 
 def _planned_run(run_dir: Path, store: Path, data: Path, n_ranks: int, steps: int, data_factor: int) -> int:
