@@ -488,11 +488,15 @@ def test_culling_under_mpi_is_the_single_process_culling(walled, tmp_path):
     # not all zero, fewer than the splats (some are hidden behind the wall; the exact wire format
     # is `tests/helpers/mpi_exchange_check.py`'s).
     wire, back = 4 * WIRE_FLOATS, 4 * GRAD_FLOATS
-    steps = _occlusion_per_step(tmp_path / "on4", also=("bytes_sent", "received"))
+    steps = _occlusion_per_step(tmp_path / "on4", also=("bytes_sent", "received", "grad_rows_sent"))
     assert sum(f["occ_splats_reused"] for f in steps.values()) > 0
     for step, f in steps.items():
         returned = f["bytes_sent"] - f["occ_bytes_sent"] - wire * (f["received"] - f["occ_splats_reused"])
         assert f["received"] / 4 <= returned < back * f["received"], step
+        # the rows counted are the rows sent: what is left is the masks, a quarter byte a splat
+        # rounded up per part (4 ranks, one camera each: at most 12 parts)
+        assert 0 < f["grad_rows_sent"] < f["received"], step
+        assert 0 <= returned - back * f["grad_rows_sent"] - f["received"] / 4 < 12, step
     # A cache too small for a step's blocks: each rank projects them in waves, whose rows the
     # splats the pass carried are picked out of, and trains what one process trains in memory.
     tight = _copy(walled.store, tmp_path, "tight.zarr")

@@ -99,6 +99,7 @@ class LocalExchange:
     bytes_received = 0
     grad_bytes_sent = 0
     grad_bytes_received = 0
+    grad_rows_sent = 0
 
     def send_splats(self, outgoing: dict[tuple[int, int], Splats2D], n_cameras: int,
                     held: Held | None = None) -> Incoming:

@@ -47,6 +47,7 @@ class MPIExchange:
         self.bytes_received = 0
         self.grad_bytes_sent = 0  # of those, the gradients' return (`return_grads`)
         self.grad_bytes_received = 0
+        self.grad_rows_sent = 0  # gradient rows sent back: the splats rendered here for another rank that a pixel blended
         self.seconds = 0.0
         self._sent: np.ndarray | None = None  # [R, n_cameras] splats this rank sent
         self._received: np.ndarray | None = None  # [R, n_cameras] splats this rank received
@@ -138,6 +139,7 @@ class MPIExchange:
                                _per_rank([c.sum() for c in came], self._sent), width)
         self.grad_bytes_sent += self.bytes_sent - sent0
         self.grad_bytes_received += self.bytes_received - received0
+        self.grad_rows_sent += int(nonzero.sum())
         buf = np.zeros((int(self._sent.sum()), width), np.float32)
         buf[np.concatenate(came)] = rows
         buf = torch.from_numpy(buf).to(self.device)

@@ -597,10 +597,12 @@ def _cache_fields(cache: BlockCache, ceiling: MemoryCeiling | None = None) -> di
 
 
 def _traffic(exchange: Exchange) -> dict[str, int]:
-    """The exchange's byte counters so far: all it sent and received, and of that the gradients'
-    return (`grad_`), which depends on which splats got a gradient."""
+    """The exchange's counters so far: all the bytes it sent and received, and of that the
+    gradients' return (`grad_`), which depends on which splats got a gradient; and the gradient
+    rows sent back (the splats this rank rendered for another that some pixel blended)."""
     return {"bytes_sent": exchange.bytes_sent, "bytes_received": exchange.bytes_received,
-            "grad_bytes_sent": exchange.grad_bytes_sent, "grad_bytes_received": exchange.grad_bytes_received}
+            "grad_bytes_sent": exchange.grad_bytes_sent, "grad_bytes_received": exchange.grad_bytes_received,
+            "grad_rows_sent": exchange.grad_rows_sent}
 
 
 def _num_gaussians(store: Store) -> int:

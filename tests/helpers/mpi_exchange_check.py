@@ -74,7 +74,7 @@ def main() -> None:
         assert {(src, cam) for cam, p in incoming.items() for src, _ in p} == \
             {(s, c) for s in range(size) for c in range(CAMERAS) if s != me and _rows(s, me, c)}
         backs = {(src, cam): _back(src, me, cam, absgrad) for cam, p in incoming.items() for src, _ in p}
-        sent, grad_sent = ex.bytes_sent, ex.grad_bytes_sent
+        sent, grad_sent, rows_sent = ex.bytes_sent, ex.grad_bytes_sent, ex.grad_rows_sent
         out = ex.return_grads(incoming, {k: v[0] for k, v in backs.items()}, {k: v[1] for k, v in backs.items()},
                               {k: v[2] for k, v in backs.items()} if absgrad else None)
         width = GRAD_FLOATS + (2 if absgrad else 0)
@@ -84,6 +84,8 @@ def main() -> None:
         expect = sum((2 * m + 7) // 8 + 4 * width * int(torch.isin(torch.arange(m) % 5, sent_kinds).sum())
                      for (src, cam) in backs for m in [_rows(src, me, cam)])
         assert ex.bytes_sent - sent == ex.grad_bytes_sent - grad_sent == expect, (ex.bytes_sent - sent, expect)
+        assert ex.grad_rows_sent - rows_sent == sum(int(torch.isin(torch.arange(_rows(src, me, cam)) % 5, sent_kinds).sum())
+                                                    for (src, cam) in backs)
         assert set(out) == {(d, c) for d in range(size) for c in range(CAMERAS) if d != me and _rows(me, d, c)}
         for (dest, cam), (grads, flags, ab) in out.items():
             want = _back(me, dest, cam, absgrad)

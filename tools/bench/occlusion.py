@@ -17,7 +17,9 @@ and per step, after `--warmup` steps:
   that the step did not send again (`occ_splats_reused`), and for reference what gsplat's distributed mode
   would send for the same cameras: every projected splat of the run without culling whose
   Gaussian another rank holds under gsplat's round robin, counted as (R - 1) / R of them, at 56
-  bytes forward and 40 back (`tools/bench/mpi.py`).
+  bytes forward and 40 back (`tools/bench/mpi.py`); and the splats a rank rendered for another's
+  Gaussians that some pixel blended (`grad_rows_sent`), which any exact exchange of splats under
+  the same ownership carries out and back: the least such an exchange can send.
 
 Every figure is summed over the ranks.
 
@@ -60,6 +62,7 @@ from tools.bench.train import (
     warm_images,
 )
 from train.cli import HelpFormatter
+from train.render.splats2d import GRAD_FLOATS, WIRE_FLOATS
 
 SCENES = ("walled", "walled-deep", "lund_door", "city")
 DEEP_HIDDEN = 20_000  # Gaussians in each hidden cluster of walled-deep
@@ -164,6 +167,14 @@ def bench_scene(work: Path, name: str, cfg: BenchConfig) -> None:
         on, off = (_per_step(runs[m][0], "bytes_sent", cfg.warmup) for m in ("on", "off"))
         print(f"  gsplat distributed, same cameras: {gsplat / MiB:.3f} MiB a step; ours off {off / gsplat:.3f}x, "
               f"on {on / gsplat:.3f}x of it")
+        # What no exact exchange of splats under this ownership can leave off: the splats a rank
+        # renders for another's Gaussians that some pixel blends (their gradient rows), each once
+        # out and once back. Culling drops only splats no pixel blends, so on and off count the same.
+        blended = {m: _per_step(runs[m][0], "grad_rows_sent", cfg.warmup) for m in ("off", "on")}
+        floor = blended["off"] * 4 * (WIRE_FLOATS + GRAD_FLOATS)
+        print(f"  blended splats of another rank's Gaussians: {blended['off']:,.0f} a step off, {blended['on']:,.0f} on; "
+              f"at {4 * WIRE_FLOATS} bytes out and {4 * GRAD_FLOATS} back, the least an exact splat exchange sends: "
+              f"{floor / MiB:.3f} MiB a step, {floor / gsplat:.3f}x of gsplat's")
     same = _same_but_statistics(work / f"{name}-off-0.zarr", work / f"{name}-on-0.zarr")
     print(f"  parameters and Adam state after {cfg.steps} steps, on against off: "
           f"{'bit for bit the same' if same else 'DIFFERENT'}")
