@@ -7,17 +7,20 @@ import time
 
 import pytest
 
-from train.blockwise import MAX_SHARE, block_threads, share_blocks
+from train.blockwise import MAX_SHARE, MIN_MEAN_ROWS, block_threads, share_blocks
 
 
-def test_threads_only_for_several_blocks_none_of_them_most_of_the_rows():
-    assert block_threads([0, 10, 20, 30], 2) == 2
-    assert block_threads([0, 10, 20, 30], 1) == 1
-    assert block_threads([0, 30], 4) == 1  # one block
-    assert block_threads([0, 10, 20], 8) == 2  # no more threads than blocks
-    big = int(100 * MAX_SHARE) + 1
-    assert block_threads([0, big, 100], 2) == 1  # a block of most rows: its own kernel splits it
-    assert block_threads([0, 50, 100], 2) == 2
+def test_threads_only_for_several_blocks_none_of_them_most_of_the_rows_nor_small():
+    r = MIN_MEAN_ROWS
+    assert block_threads([0, r, 2 * r, 3 * r], 2) == 2
+    assert block_threads([0, r, 2 * r, 3 * r], 1) == 1
+    assert block_threads([0, 3 * r], 4) == 1  # one block
+    assert block_threads([0, r, 2 * r], 8) == 2  # no more threads than blocks
+    big = int(100 * r * MAX_SHARE) + 1
+    assert block_threads([0, big, 100 * r], 2) == 1  # a block of most rows: its own kernel splits it
+    assert block_threads([0, 50 * r, 100 * r], 2) == 2
+    assert block_threads([0, r, 2 * r - 1], 2) == 1  # fewer than MIN_MEAN_ROWS a block on average
+    assert block_threads([1, r + 1, 2 * r + 1], 2) == 2  # (the rows counted from the first offset)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

@@ -219,6 +219,7 @@ def test_narrow_gathers_and_blocks_on_threads_train_as_the_whole_batch_does(wall
     block): every array of every block bit for bit."""
     import numba
 
+    import train.blockwise as blockwise
     import train.step as step_module
 
     data, tiled = wall
@@ -237,6 +238,7 @@ def test_narrow_gathers_and_blocks_on_threads_train_as_the_whole_batch_does(wall
 
     monkeypatch.setattr(step_module, "share_blocks", share)
     monkeypatch.setattr(step_module, "gather", gather)
+    monkeypatch.setattr(blockwise, "MIN_MEAN_ROWS", 0)  # this scene's blocks are small: share them anyway
     narrow = _copy(tiled, tmp_path, "narrow.zarr")
     run(_config(data, narrow, tmp_path / "narrow", steps=11, sh_degree_interval=4))
     assert numba.get_num_threads() < 2 or max(seen["threads"]) > 1, "the blocks must have been shared by threads"

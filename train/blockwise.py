@@ -21,13 +21,20 @@ T = TypeVar("T")
 # Threads are worth it only while no block holds most of the rows: one block larger than that is
 # better taken alone, its rows split over the cores by the compiled kernel.
 MAX_SHARE = 0.5
+# Nor with small blocks: a block's compiled work is then as short as the interpreter's around it,
+# which holds the GIL, and two threads handing it to each other were slower than one. Adam's phase
+# of a 50k-Gaussian step on one thread against two (ms): blocks of 145 rows on average 8.9-9.7
+# against 10.5-10.7, 290 rows 7.0-7.1 against 7.2, 660 rows 5.7 against 5.1-5.2; a street view of
+# the bench's city (~90) 9.5-9.8 against 13.5-14.2.
+MIN_MEAN_ROWS = 256
 
 
 def block_threads(offsets: Sequence[int], threads: int) -> int:
     """How many threads should share the blocks (block b holds rows offsets[b]:offsets[b + 1]):
-    `threads`, or 1 with fewer than two blocks or a block of more than MAX_SHARE of the rows."""
+    `threads`, or 1 with fewer than two blocks, a block of more than MAX_SHARE of the rows, or
+    fewer than MIN_MEAN_ROWS rows a block."""
     blocks = len(offsets) - 1
-    if threads < 2 or blocks < 2:
+    if threads < 2 or blocks < 2 or offsets[-1] - offsets[0] < MIN_MEAN_ROWS * blocks:
         return 1
     largest = max(offsets[b + 1] - offsets[b] for b in range(blocks))
     return 1 if largest > MAX_SHARE * (offsets[-1] - offsets[0]) else min(threads, blocks)

@@ -230,6 +230,7 @@ _UPDATED = tuple(f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") fo
 
 
 MOMENT_COLUMNS = "moment_columns"  # the key of `numpy_arrays`'s bounds
+ADAM_ARGUMENTS = "adam_arguments"  # the key of `numpy_arrays`'s (params, exp_avg, exp_avg_sq, bounds, adam_step)
 
 
 def moment_columns(arrays: dict[str, np.ndarray]) -> np.ndarray:  # -> [len(PARAM_NAMES)] int64
@@ -252,8 +253,12 @@ def numpy_arrays(tensors: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
         return None
     arrays = {name: t.reshape(t.shape[0], math.prod(t.shape[1:])).numpy() for name, t in tensors.items()}
-    if all(f"{prefix}{x}" in arrays for prefix in ("exp_avg_", "exp_avg_sq_") for x in PARAM_NAMES):
+    if "adam_step" in arrays and all(x in arrays for x in _UPDATED):
         arrays[MOMENT_COLUMNS] = moment_columns(arrays)
+        # the compiled step's arguments, made once with the views: building the tuples took
+        # longer than the step of a block of a few hundred rows
+        arrays[ADAM_ARGUMENTS] = (*(tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12)),
+                                  arrays[MOMENT_COLUMNS], arrays["adam_step"].reshape(-1))
     return arrays
 
 
@@ -455,7 +460,6 @@ class SparseAdam:
             cols = np.array([(grad_columns or {}).get(x, a.shape[1]) for x, a in zip(PARAM_NAMES, g)], dtype=np.int64)
             self._compiled = g, mask.numpy(), np.array([lrs[x] for x in PARAM_NAMES]), np.minimum(cols, [a.shape[1] for a in g])
 
-    @torch.no_grad()
     def step(
         self,
         block: dict[str, Tensor],  # every array of one block (parameters, exp_avg_*, exp_avg_sq_*, adam_step)
@@ -463,14 +467,20 @@ class SparseAdam:
         arrays: dict[str, np.ndarray] | None = None,  # `numpy_arrays(block)`, kept by the caller; None: torch ops
     ) -> int:
         """Update `block` in place on its masked rows; returns how many rows were updated."""
-        n, (b1, b2), eps = block["means"].shape[0], self.cfg.betas, self.cfg.eps
         if arrays is not None and self._compiled is not None:
-            # One call for the six parameters: per-call overhead (tensor conversions, indexing
-            # the step counts) cost more than the arithmetic of a small block.
+            # One call for the six parameters, its arguments ready: with small blocks (a city's
+            # street view steps hundreds of a few hundred rows) the interpreter's work around
+            # each call cost more than the call.
             g, m, lr, cols = self._compiled
-            p, ms, vs = (tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12))
-            return int(_adam_block_cpu(p, g, ms, vs, lr, cols, arrays[MOMENT_COLUMNS], arrays["adam_step"].reshape(-1),
-                                       lo, m, b1, b2, eps, self.global_step, self.parallel_rows))
+            p, ms, vs, bounds, adam_step = arrays[ADAM_ARGUMENTS]
+            (b1, b2), eps = self.cfg.betas, self.cfg.eps
+            return _adam_block_cpu(p, g, ms, vs, lr, cols, bounds, adam_step, lo, m, b1, b2, eps, self.global_step,
+                                   self.parallel_rows)
+        with torch.no_grad():
+            return self._step_torch(block, lo)
+
+    def _step_torch(self, block: dict[str, Tensor], lo: int) -> int:
+        n, (b1, b2), eps = block["means"].shape[0], self.cfg.betas, self.cfg.eps
         rows = torch.nonzero(self.mask[lo : lo + n]).squeeze(1)
         if rows.numel() == 0:
             return 0

@@ -51,6 +51,34 @@ def accumulate_stats(
                 1.0 / float(max(camera.width, camera.height)), stats["grad2d"], stats["count"], stats["max_radii"])
 
 
+@njit(cache=True, nogil=True)
+def _add_rows(grad2d, count, max_radii, acc_grad2d, acc_count, acc_max_radii, lo):
+    for i in range(grad2d.size):
+        grad2d[i] += acc_grad2d[lo + i]
+        count[i] += acc_count[lo + i]
+        max_radii[i] = max(max_radii[i], acc_max_radii[lo + i])
+
+
+def add_stats(
+    block: dict[str, Tensor],  # one block's arrays, its statistics among them: grad2d, count, max_radii [n]
+    arrays: dict[str, np.ndarray] | None,  # `train.optim.numpy_arrays(block)`, or None: torch ops
+    stats: dict[str, np.ndarray],  # a step's sums over the batch (`empty_stats`)
+    lo: int,  # the block's rows in the batch: [lo, hi)
+    hi: int,
+) -> None:
+    """Add a step's sums of the block's rows to the block's statistics, in place. With the
+    block's numpy views, one compiled call instead of three torch calls (~2 us each here, under
+    the GIL), which a street view of a city makes for hundreds of blocks of ~100 rows a step."""
+    if arrays is not None:
+        _add_rows(arrays["grad2d"].reshape(-1), arrays["count"].reshape(-1), arrays["max_radii"].reshape(-1),
+                  stats["grad2d"], stats["count"], stats["max_radii"], lo)
+        return
+    device = block["grad2d"].device
+    block["grad2d"] += torch.from_numpy(stats["grad2d"][lo:hi]).to(device)
+    block["count"] += torch.from_numpy(stats["count"][lo:hi]).to(device)
+    torch.maximum(block["max_radii"], torch.from_numpy(stats["max_radii"][lo:hi]).to(device), out=block["max_radii"])
+
+
 class DeviceStats:
     """The statistics of a batch of n Gaussians as tensors on the batch's device, accumulated by
     torch's scatter kernels: `accumulate_stats`'s arithmetic (the norm in float64, stored in

@@ -39,7 +39,7 @@ from train.region import Region
 from train.render import ProjectedBatch, RasterOutput, Splats2D, pack_grads, project_batch, rasterize
 from train.render.errors import all_finite
 from train.render.semantics import num_sh_bases
-from train.stats import DeviceStats, accumulate_stats, empty_stats
+from train.stats import DeviceStats, accumulate_stats, add_stats, empty_stats
 from train.waves import SPLAT_STEP_BYTES, check_splats, plan_waves, raster_bytes, step_bytes, wave_bytes
 
 
@@ -209,10 +209,18 @@ def _extents(blocks: dict[str, dict[str, Tensor]]) -> dict[str, tuple]:
         return {}
     if next(iter(blocks.values()))["means"].device.type != "cpu":
         return dict(zip(blocks, _extent_boxes_device(blocks).tolist()))
-    means, scales = (joined_parts([t[name].detach() for t in blocks.values()]).numpy() for name in ("means", "scales"))
-    starts = np.cumsum([0] + [len(t["means"]) for t in blocks.values()])[:-1]
-    boxes = extent_boxes(means, scales, starts)
-    return {k: tuple(float(x) for x in box) for k, box in zip(blocks, boxes)}
+    return _host_extents(list(blocks), [{name: t[name].detach().numpy() for name in ("means", "scales")}
+                                        for t in blocks.values()])
+
+
+def _host_extents(keys: list[str], arrays: list[dict[str, np.ndarray]]) -> dict[str, tuple]:
+    """`_extents` of blocks on the host from numpy views of their means and scales (the cache's
+    `numpy_arrays` memo, where the trainer has it: a city's street view changes hundreds of
+    small blocks a step, and a tensor call or two for each cost more than their boxes)."""
+    means, scales = (arrays[0][name] if len(arrays) == 1 else np.concatenate([a[name] for a in arrays])
+                     for name in ("means", "scales"))
+    starts = np.cumsum([0] + [len(a["means"]) for a in arrays[:-1]])
+    return dict(zip(keys, map(tuple, extent_boxes(means, scales, starts).tolist())))
 
 
 def _extent_boxes_device(blocks: dict[str, dict[str, Tensor]]) -> Tensor:  # [B, 6] float64 on the host
@@ -514,13 +522,13 @@ def adam_update(
             rows = optimizer.step(t, lo, arrays[b])
             if rows == 0 and not acc["count"][lo:hi].any():
                 continue
-            t["grad2d"] += torch.from_numpy(acc["grad2d"][lo:hi]).to(t["grad2d"].device)
-            t["count"] += torch.from_numpy(acc["count"][lo:hi]).to(t["count"].device)
-            torch.maximum(t["max_radii"], torch.from_numpy(acc["max_radii"][lo:hi]).to(t["max_radii"].device),
-                          out=t["max_radii"])
+            add_stats(t, arrays[b], acc, lo, hi)
             changed[b] = rows
-        extents = _extents({paged.keys[b]: paged.tensors[paged.keys[b]] for b in changed}) if perturb is None else {}
-        return changed, extents
+        if perturb is not None or not changed:
+            return changed, {}
+        if any(arrays[b] is None for b in changed):
+            return changed, _extents({paged.keys[b]: paged.tensors[paged.keys[b]] for b in changed})
+        return changed, _host_extents([paged.keys[b] for b in changed], [arrays[b] for b in changed])
 
     stepped, extents = {}, {}
     for rows, boxes in share_blocks(len(paged.keys), threads, step_blocks):
