@@ -60,14 +60,18 @@ def test_an_error_in_a_helper_thread_reaches_the_caller_after_all_ended():
     assert len(done) == 1, "the other thread finished its blocks before the error was raised"
 
 
-@pytest.mark.parametrize("sizes", [[9600] * 21, [5, 100000, 3], [1000, 2000]])
+@pytest.mark.parametrize("sizes", [[9600] * 21, [5, 100000, 3], [1000, 2000], [3, 150, 0, 77] * 90])
 @pytest.mark.parametrize("sh_coeffs", [None, 0, 3])
-def test_a_batch_gathered_on_threads_is_the_blocks_joined(sizes, sh_coeffs):
+@pytest.mark.parametrize("views", [False, True])
+def test_a_batch_gathered_on_threads_is_the_blocks_joined(sizes, sh_coeffs, views, monkeypatch):
     """`train.step.gather` of several blocks (copied by threads, in row ranges of blocks per
-    array) against torch.cat of the blocks' arrays, shN cut to its leading coefficients."""
+    array; or, given the blocks' numpy views, by numpy on this thread) against torch.cat of the
+    blocks' arrays, shN cut to its leading coefficients."""
     import numpy as np
     import torch
 
+    import train.step as step_module
+    from train.optim import numpy_arrays
     from train.step import gather
 
     rng = np.random.default_rng(len(sizes))
@@ -75,7 +79,14 @@ def test_a_batch_gathered_on_threads_is_the_blocks_joined(sizes, sh_coeffs):
     blocks = {f"b{i}": {k: torch.from_numpy(rng.normal(size=(n, *s)).astype(np.float32)) for k, s in shapes.items()}
               for i, n in enumerate(sizes)}
     keys = list(blocks)
-    batch = gather(blocks, keys, requires_grad=True, sh_coeffs=sh_coeffs)
+    arrays = [numpy_arrays(blocks[k]) for k in keys] if views else None
+    copied = []
+    real = step_module._joined_numpy
+    monkeypatch.setattr(step_module, "_joined_numpy", lambda *a: copied.append(real(*a)) or copied[-1])
+    batch = gather(blocks, keys, requires_grad=True, sh_coeffs=sh_coeffs, arrays=arrays)
+    # the views are copied by numpy exactly up to NUMPY_GATHER_BYTES of the batch's rows
+    row_bytes = 4 * (14 + 3 * (15 if sh_coeffs is None else sh_coeffs))
+    assert (bool(copied) and copied[-1] is not None) == (views and sum(sizes) * row_bytes <= step_module.NUMPY_GATHER_BYTES)
     assert batch.offsets == list(np.cumsum([0, *sizes]))
     for name in shapes:
         want = torch.cat([blocks[k][name] if name != "shN" or sh_coeffs is None else blocks[k][name][:, :sh_coeffs]

@@ -37,8 +37,8 @@ class Region:
 
     def visible(self, camera: Camera) -> list[str]:
         """Owned blocks whose extent box meets the camera's frustum, in Morton order."""
-        mask = visible_mask(self.extents, camera)
-        return [k for k, m in zip(self.keys, mask) if m]
+        keys = self.keys
+        return [keys[i] for i in np.flatnonzero(visible_mask(self.extents, camera)).tolist()]
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,26 @@ def block_of_ids(offsets: list[int], ids: Tensor) -> np.ndarray:  # [M] int64 ->
     return np.searchsorted(np.asarray(offsets), ids.cpu().numpy(), side="right") - 1
 
 
+# A batch of several blocks up to this many bytes is copied by numpy on the calling thread from
+# the cache's numpy views: torch.cat's work per part, not the bytes, made the gather of 345
+# blocks of ~145 rows (50k Gaussians) 3.9 ms of a ~52 ms step (2.5 so). Larger batches are
+# copied by threads, where the bytes dominate.
+NUMPY_GATHER_BYTES = 8 << 20
+
+
 def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool,
-           sh_coeffs: int | None = None) -> Gathered:
+           sh_coeffs: int | None = None, arrays: list[dict[str, np.ndarray] | None] | None = None) -> Gathered:
     """The blocks' rows as one batch; with `sh_coeffs`, shN's leading coefficients only (those the
     step's SH degree reads, `sh_coeffs_gathered`): the rest are never read and would get a zero
     gradient, and at degree 0 shN is three quarters of a row (a 200k-Gaussian batch of 21 blocks
-    copied 36 MB of it a step, 12.7 -> 3 ms for the whole gather)."""
+    copied 36 MB of it a step, 12.7 -> 3 ms for the whole gather). `arrays`: each key's
+    `optim.numpy_arrays` views (the cache's memo), where the caller has them."""
     offsets = [0]
     for k in keys:
         offsets.append(offsets[-1] + int(blocks[k]["means"].shape[0]))
+    joined = _joined_numpy(blocks[keys[0]], arrays, offsets[-1], sh_coeffs) if len(keys) > 1 and arrays else None
+    if joined is not None:
+        return Gathered(keys, offsets, {name: t.requires_grad_(requires_grad) for name, t in joined.items()})
     parts = {name: [blocks[k][name] if name != "shN" or sh_coeffs is None else blocks[k][name][:, :sh_coeffs]
                     for k in keys] for name in PARAM_NAMES}
     threads = numba.get_num_threads()
@@ -121,6 +132,28 @@ def gather(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad:
         # A leaf sharing a block's memory is safe: Adam writes the block only after the backward.
         joined = {name: joined_parts(p) if keys else torch.zeros(0) for name, p in parts.items()}
     return Gathered(keys, offsets, {name: t.detach().requires_grad_(requires_grad) for name, t in joined.items()})
+
+
+def _joined_numpy(first: dict[str, Tensor], arrays: list[dict[str, np.ndarray] | None], rows: int,
+                  sh_coeffs: int | None) -> dict[str, Tensor] | None:
+    """`gather`'s tensors copied from the blocks' [N, D] numpy views (shN's cut to the leading
+    `sh_coeffs` coefficients); None where a block has no views or the batch is over
+    NUMPY_GATHER_BYTES. `first`: the first block's tensors, which give the shapes."""
+    if any(a is None for a in arrays):
+        return None
+    shapes = {name: (sh_coeffs, 3) if name == "shN" and sh_coeffs is not None else tuple(first[name].shape[1:])
+              for name in PARAM_NAMES}
+    if rows * 4 * sum(math.prod(shape) for shape in shapes.values()) > NUMPY_GATHER_BYTES:  # float32
+        return None
+    joined = {}
+    for name, shape in shapes.items():
+        cols = math.prod(shape)
+        if cols == 0:  # shN at degree 0
+            joined[name] = torch.empty(rows, *shape)
+            continue
+        parts = [a[name] if a[name].shape[1] == cols else a[name][:, :cols] for a in arrays]
+        joined[name] = torch.from_numpy(np.concatenate(parts)).reshape(rows, *shape)
+    return joined
 
 
 def _joined_on_threads(parts: dict[str, list[Tensor]], offsets: list[int], threads: int) -> dict[str, Tensor]:
@@ -145,9 +178,10 @@ def _joined_on_threads(parts: dict[str, list[Tensor]], offsets: list[int], threa
 
 
 def gather_for_degree(blocks: dict[str, dict[str, Tensor]], keys: list[str], requires_grad: bool, sh_degree: int,
-                      backend: str) -> Gathered:
+                      backend: str, arrays: list[dict[str, np.ndarray] | None] | None = None) -> Gathered:
     """`gather` with the SH coefficients a projection at this degree reads (`sh_coeffs_gathered`)."""
-    return gather(blocks, keys, requires_grad=requires_grad, sh_coeffs=sh_coeffs_gathered(sh_degree, backend))
+    return gather(blocks, keys, requires_grad=requires_grad, sh_coeffs=sh_coeffs_gathered(sh_degree, backend),
+                  arrays=arrays)
 
 
 def sh_coeffs_gathered(sh_degree: int, backend: str) -> int | None:
@@ -328,7 +362,8 @@ def page_in(cameras: list[Camera], region: Region, cache, visible: list[list[str
 
 
 def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, backend: str) -> Projected:
-    g = gather_for_degree(paged.tensors, paged.keys, True, sh_degree, backend)
+    arrays = [paged.cached[k].arrays(numpy_arrays) for k in paged.keys] if len(paged.keys) > 1 else None
+    g = gather_for_degree(paged.tensors, paged.keys, True, sh_degree, backend, arrays)
     projection = project_owned(g, paged.visible, cameras, sh_degree, backend)
     return Projected(g, projection, projection.splats, sh_degree)
 
