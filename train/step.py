@@ -148,9 +148,6 @@ def _joined_numpy(first: dict[str, Tensor], arrays: list[dict[str, np.ndarray] |
     joined = {}
     for name, shape in shapes.items():
         cols = math.prod(shape)
-        if cols == 0:  # shN at degree 0
-            joined[name] = torch.empty(rows, *shape)
-            continue
         parts = [a[name] if a[name].shape[1] == cols else a[name][:, :cols] for a in arrays]
         joined[name] = torch.from_numpy(np.concatenate(parts)).reshape(rows, *shape)
     return joined
@@ -282,6 +279,11 @@ class Paged:
     cached: dict  # key -> storage.cache.Block
     tensors: dict[str, dict[str, Tensor]]  # key -> every array of the block
 
+    def arrays(self) -> list[dict[str, np.ndarray] | None]:
+        """Each block's `optim.numpy_arrays` views, in `keys` order: the cache's memo, so on the
+        step's thread."""
+        return [self.cached[k].arrays(numpy_arrays) for k in self.keys]
+
 
 @dataclass
 class Projected:
@@ -362,8 +364,8 @@ def page_in(cameras: list[Camera], region: Region, cache, visible: list[list[str
 
 
 def project_owned_batch(paged: Paged, cameras: list[Camera], sh_degree: int, backend: str) -> Projected:
-    arrays = [paged.cached[k].arrays(numpy_arrays) for k in paged.keys] if len(paged.keys) > 1 else None
-    g = gather_for_degree(paged.tensors, paged.keys, True, sh_degree, backend, arrays)
+    g = gather_for_degree(paged.tensors, paged.keys, True, sh_degree, backend,
+                          paged.arrays() if len(paged.keys) > 1 else None)
     projection = project_owned(g, paged.visible, cameras, sh_degree, backend)
     return Projected(g, projection, projection.splats, sh_degree)
 
@@ -545,7 +547,7 @@ def adam_update(
     # Side by side, each block's step keeps to one core (the same arithmetic as split over them).
     optimizer = SparseAdam(grads, bp.contributed, lrs, adam, global_step, grad_columns=projected.grad_columns(),
                            parallel_rows=PARALLEL_ROWS if threads == 1 else np.iinfo(np.int64).max)
-    arrays = [paged.cached[k].arrays(numpy_arrays) for k in paged.keys]  # the cache's memo: on this thread
+    arrays = paged.arrays()
 
     def step_blocks(blocks: Iterator[int]) -> tuple[dict[int, int], dict[str, tuple]]:
         """Adam and the statistics of the blocks drawn, and (with no perturbation to come) their
