@@ -780,8 +780,9 @@ def _render_owned(owned: dict[int, Splats2D], cameras: list[Camera], cam_rank: l
 
 
 def _record_losses(stats: StepStats, rendered: Rendered) -> None:
-    if rendered.losses:
-        stats.loss = float(torch.stack(rendered.losses).mean())
+    if rendered.losses:  # (one camera, most steps: its loss as it is, without a stack and a mean)
+        losses = rendered.losses
+        stats.loss = float(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
         stats.psnr = float(sum(rendered.psnrs) / len(rendered.psnrs))
 
 

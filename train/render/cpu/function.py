@@ -29,21 +29,21 @@ class _Rasterize(torch.autograd.Function):
         records = bins.records  # in depth order: the kernels index these, and results map back by bins.order
         bg = _array(background)
         rgb = np.empty((height, width, 3), np.float32)
+        alpha = np.empty((height, width), np.float32)
         t_final = np.empty((height, width), np.float32)
         stop = np.empty((height, width), np.int32)
-        sat_depth = np.full((height, width), np.inf, np.float32)
+        sat_depth = np.empty((height, width), np.float32)
         tile_end = np.empty(bins.tiles_x * bins.tiles_y, np.int32)
-        contributed = np.zeros(len(records), np.uint8)
+        contributed = np.zeros(len(records), np.bool_)
         blended = np.zeros(bins.n_isects, np.uint8)
         with numba.parallel_chunksize(_TILES_PER_CHUNK):
-            kernels.forward(bins.offsets, bins.gids, records, bg, width, height, bins.tiles_x, kernels.LANES,
-                            rgb, t_final, stop, sat_depth, tile_end, contributed, blended)
+            kernels.forward(bins.offsets, bins.gids, records, bins.order, bg, width, height, bins.tiles_x,
+                            kernels.LANES, rgb, alpha, t_final, stop, sat_depth, tile_end, contributed, blended)
         ctx.state = (bins, bg, t_final, stop, tile_end, blended, width, height, absgrad, packed)
-        contributed_t = torch.from_numpy(bins.to_rows(contributed)).to(torch.bool)
+        contributed_t = torch.from_numpy(contributed)
         sat_t = torch.from_numpy(sat_depth)
         ctx.mark_non_differentiable(contributed_t, sat_t)
-        alpha = torch.from_numpy(1.0 - t_final)[..., None]
-        return torch.from_numpy(rgb), alpha, contributed_t, sat_t
+        return torch.from_numpy(rgb), torch.from_numpy(alpha)[..., None], contributed_t, sat_t
 
     @staticmethod
     def backward(ctx, v_rgb: Tensor, v_alpha: Tensor, _v_contributed, _v_sat_depth):

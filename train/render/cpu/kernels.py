@@ -47,6 +47,7 @@ _HALF_PIX = _HALF_W * TILE_SIZE
 _NPIX = TILE_SIZE * TILE_SIZE
 _AMAX, _TMIN = np.float32(ALPHA_MAX), np.float32(T_MIN)
 _ZERO, _HALF, _ONE = np.float32(0.0), np.float32(0.5), np.float32(1.0)
+_INF = np.float32(np.inf)  # the depth of a pixel no splat terminated
 _NEVER = np.float32(2.0 ** 31)  # the stop position of a pixel that never terminated
 _STEP_MAX = np.float32(64.0)  # largest sigma in a box that is stepped (exp(-64) ~ 1.6e-28 stays normal)
 
@@ -198,14 +199,16 @@ def _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac):  # -> acc with pixel p's 
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
-            rgb, t_final, stop, sat_depth, tile_end, contributed, blended):
-    """Composite every tile; writes rgb [H,W,3], t_final [H,W] (transmittance left), stop [H,W]
-    (list position of the splat that terminated the pixel, -1 if none), sat_depth [H,W] (only
-    where a splat terminated the pixel), tile_end [tiles] (list position of the tile's last
-    contributor, -1 if none), contributed [M] (uint8) and blended [n_isects] (uint8, zeroed by
-    the caller: 1 where the entry's splat was blended into a pixel of its tile). lanes: 8 (see
-    `_first_row`)."""
+def forward(offsets, gids, records, order, background, width, height, tiles_x, lanes,
+            rgb, alpha, t_final, stop, sat_depth, tile_end, contributed, blended):
+    """Composite every tile; writes rgb [H,W,3], alpha [H,W] (1 - t_final), t_final [H,W]
+    (transmittance left), stop [H,W] (list position of the splat that terminated the pixel, -1 if
+    none), sat_depth [H,W] (the depth of that splat, inf if none), tile_end [tiles] (list position
+    of the tile's last contributor, -1 if none), contributed [M] (bool, zeroed by the caller: 1
+    where the input row order[g] of record g reached a pixel) and blended [n_isects] (uint8,
+    zeroed by the caller: 1 where the entry's splat was blended into a pixel of its tile). The
+    per-pixel outputs and the flags in the input's row order are written here, by the tiles'
+    threads, rather than in passes over the image on one core after. lanes: 8 (see `_first_row`)."""
     for tile in prange(offsets.size - 1):
         start, n = offsets[tile], offsets[tile + 1] - offsets[tile]
         x0, y0, w, h = _tile_geometry(tile, tiles_x, width, height)
@@ -245,7 +248,7 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         used += u
                         stopped += e
             if used > _ZERO:
-                contributed[gids[start + k]] = 1
+                contributed[order[gids[start + k]]] = True
                 blended[start + k] = 1
                 k_end = k
             if stopped > _ZERO:
@@ -266,9 +269,9 @@ def forward(offsets, gids, records, background, width, height, tiles_x, lanes,
                 rgb[y0 + yy, x0 + xx, 1] = buf[_G + np.uint64(p)] + t * background[1]
                 rgb[y0 + yy, x0 + xx, 2] = buf[_B + np.uint64(p)] + t * background[2]
                 t_final[y0 + yy, x0 + xx] = t
+                alpha[y0 + yy, x0 + xx] = _ONE - t
                 stop[y0 + yy, x0 + xx] = stop_at[p]
-                if stop_at[p] >= 0:
-                    sat_depth[y0 + yy, x0 + xx] = local[stop_at[p], DEPTH]
+                sat_depth[y0 + yy, x0 + xx] = local[stop_at[p], DEPTH] if stop_at[p] >= 0 else _INF
 
 
 @njit(inline="always", fastmath=True)
