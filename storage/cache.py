@@ -230,7 +230,7 @@ class BlockCache:
         evicting pinned blocks; a later `get` waits only for what is left."""
         top = self._tiers[0]
         for key in keys:
-            if key in self._loads or key in self._writes or any(key in t.blocks for t in self._tiers):
+            if self._present(key):
                 continue
             info = self._lookup(key)
             nbytes = info.count * self._bytes_per_row
@@ -246,6 +246,14 @@ class BlockCache:
                 task = self._pool.submit(self._load_after, waits, info)
             self._loads[key] = _InFlight(task, nbytes, top, info=info)
             top.reserved += nbytes
+
+    def _present(self, key: str) -> bool:
+        """In a tier, or on its way into or out of one: nothing for a prefetch to do."""
+        return key in self._loads or key in self._writes or any(key in t.blocks for t in self._tiers)
+
+    def holds(self, keys: Iterable[str]) -> bool:
+        """Whether a `prefetch` of any of these keys would do nothing: every one is present."""
+        return all(self._present(key) for key in keys)
 
     def pin(self, keys: Iterable[str]) -> list[Block]:
         """Load and pin blocks: a pinned block is never evicted. All or nothing."""

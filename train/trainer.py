@@ -258,8 +258,8 @@ class Trainer:
         self.plans[step] = assign_step(cams, region, self.exchange, self.cfg.batch_size)
         self.pending[step] = {i: self.images.submit(self.scene.data.load_image, cams[i])
                               for i, r in enumerate(self.plans[step]) if r == self.rank}
-        if not prefetch:
-            return
+        if not prefetch or (self.occlusion is None and self.cache.holds(self.region.keys)):
+            return  # (every owned block in the cache: which of them the cameras see is not needed)
         self.cache.prefetch(self._prefetch_keys(cams))
         if step + 1 < self.end and not self.densifier.due(step):
             # and, where the budget allows, the step after: a move starts paging early
