@@ -141,6 +141,22 @@ def test_prefetch_loads_in_the_background_and_gets_hit(tmp_path: Path) -> None:
     cache.close()
 
 
+def test_holds_is_whether_a_prefetch_would_do_nothing(tmp_path: Path) -> None:
+    """`holds` is true exactly when every key is loaded or on its way: then a prefetch reads
+    nothing more (what the trainer relies on to skip culling for prefetches)."""
+    store, _ = make_store(tmp_path / "s.zarr", [300, 300, 300])
+    cache = BlockCache(store, 1000 * ROW)
+    assert cache.holds([]) and not cache.holds(["2-0"])
+    cache.get("2-0")
+    cache.prefetch(["2-1"])  # loaded or in flight: present either way
+    assert cache.holds(["2-0", "2-1"]) and not cache.holds(["2-0", "2-1", "2-2"])
+    cache.get("2-1")
+    cache.prefetch(["2-0", "2-1"])  # held: nothing is read again
+    assert cache.get("2-0") is not None and cache.get("2-1") is not None
+    assert cache.stats.bytes_read == 600 * ROW and cache.nbytes() == 600 * ROW
+    cache.close()
+
+
 def test_prefetch_never_overruns_the_budget(tmp_path: Path) -> None:
     store, _ = make_store(tmp_path / "s.zarr", [400] * 6)
     cache = BlockCache(store, 1000 * ROW)

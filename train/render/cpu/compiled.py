@@ -27,8 +27,7 @@ from pathlib import Path
 _TRAIN = Path(__file__).resolve().parents[2]
 # Every file that defines a kernel or a function a kernel inlines.
 _SOURCES = (*sorted(p for p in (_TRAIN / "render" / "cpu").glob("*.py") if p.name != "compiled.py"),
-            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "ssim", "stats")),
-            _TRAIN.parent / "octree" / "bounds.py")
+            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "ssim", "stats")))
 _STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
 # The projection's float64 kernels: fused multiply-adds, reciprocals and reassociation (16% off the
@@ -38,17 +37,15 @@ FINITE_FASTMATH = {"contract", "arcp", "nsz", "reassoc", "afn"}  # a set: numba 
 
 
 def _dispatchers() -> list:
-    from octree import bounds
     from train import losses, optim, ssim, stats
     from train.render.cpu import binning, kernels, projection
 
     return [kernels.forward, kernels.backward, kernels.reduce_grads,
             binning._records_and_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
-            projection._fill_zero,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
             ssim._ssim_forward, ssim._ssim_backward, ssim._ssim_row, stats._accumulate,
-            losses._add_reg_grads, bounds._extent_pieces]
+            losses._add_reg_grads]
 
 
 def sources_digest(sources: tuple[Path, ...] = _SOURCES) -> str:
@@ -120,12 +117,10 @@ def ensure_compiled() -> None:
 
 def _compile_all() -> None:
     """Project, rasterize, take the training loss and backpropagate a small scene, step sparse
-    Adam on a block (the regularisers' gradients added), gather its densification statistics and
-    take its extent box."""
+    Adam on a block (the regularisers' gradients added) and gather its densification statistics."""
     import numpy as np
     import torch
 
-    from octree.bounds import extent_boxes
     from storage.schema import block_schema
     from train.camera import Camera
     from train.losses import Regularizers, photometric_loss
@@ -153,7 +148,6 @@ def _compile_all() -> None:
     sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
     acc = empty_stats(n)
     accumulate_stats(acc, torch.arange(n), torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, 9), camera, 1)
-    extent_boxes(block["means"].numpy(), block["scales"].numpy(), np.zeros(1, np.int64))
 
 
 if __name__ == "__main__":

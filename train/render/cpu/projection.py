@@ -313,29 +313,10 @@ def _gradient_sums(arrays: list[np.ndarray], n_bases: int) -> list[np.ndarray]:
     splats still do.) Above degree 0 every page of them is written, and fresh pages would fault
     in one at a time under the process's memory lock (garden forward+backward 83 -> 91 ms)."""
     *rest, shN = arrays  # in _PARAM_ORDER: shN last
-    sums = _zeros([a.shape for a in rest])
+    sums = [np.zeros(a.shape, a.dtype) for a in rest]
     if n_bases > 1 or shN.nbytes < mmap.PAGESIZE:
         return sums + [np.zeros(shN.shape, shN.dtype)]
     return sums + [np.frombuffer(mmap.mmap(-1, shN.nbytes), shN.dtype).reshape(shN.shape)]
-
-
-def _zeros(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """Zeroed float32 arrays of these shapes, views of one buffer zeroed on every core (np.zeros
-    of each memset them on one core: ~0.2 ms a step at 50k Gaussians)."""
-    sizes = [math.prod(shape) for shape in shapes]
-    buf = np.empty(sum(sizes), np.float32)
-    _fill_zero(buf)
-    at = np.cumsum([0, *sizes])
-    return [buf[a:b].reshape(shape) for a, b, shape in zip(at[:-1], at[1:], shapes)]
-
-
-_ZERO_CHUNK = 1 << 16  # floats a thread zeroes at a time
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _fill_zero(buf):
-    for c in prange((buf.size + _ZERO_CHUNK - 1) // _ZERO_CHUNK):
-        buf[c * _ZERO_CHUNK:min((c + 1) * _ZERO_CHUNK, buf.size)] = 0.0
 
 
 _PARAM_ORDER = ("means", "quats", "scales", "opacities", "sh0", "shN")  # the kernels' argument order
