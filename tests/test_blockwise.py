@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from train.blockwise import MAX_SHARE, MIN_MEAN_ROWS, block_threads, share_blocks
+from train.blockwise import MAX_SHARE, MIN_MEAN_ROWS, block_threads, row_groups, share_blocks
 
 
 def test_threads_only_for_several_blocks_none_of_them_most_of_the_rows_nor_small():
@@ -93,3 +93,22 @@ def test_a_batch_gathered_on_threads_is_the_blocks_joined(sizes, sh_coeffs, view
                           for k in keys])
         assert torch.equal(batch.params[name].detach(), want), name
         assert batch.params[name].requires_grad and batch.params[name].is_leaf
+
+
+@pytest.mark.parametrize("sizes", [[10] * 16, [0, 0, 5, 300, 1, 0, 77, 2000, 3], [7], [], [0, 0], [1] * 9 + [1000]])
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_row_groups_are_runs_of_consecutive_blocks_of_about_equal_rows(sizes, groups):
+    """Every block in exactly one run, runs in order and at most `groups` of them; a run ends at
+    the first block end at or past its share of the rows, so no run holds more than its share
+    plus one block."""
+    import numpy as np
+
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    cuts = row_groups(offsets, groups)
+    assert cuts[0] == 0 and cuts[-1] == len(sizes) and (np.diff(cuts) > 0).all()
+    assert len(cuts) - 1 <= max(groups, 1) or not sizes
+    share, largest = offsets[-1] / groups, max(sizes, default=0)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        assert offsets[b] - offsets[a] <= share + largest
+    if sizes == [10] * 16:
+        assert np.diff(cuts).tolist() == [16 // groups] * groups

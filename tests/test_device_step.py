@@ -241,3 +241,56 @@ def test_the_update_on_a_gpu_equals_the_host_path(mode_visible):
     for k in sizes:
         for name in host[k]:
             torch.testing.assert_close(dev[k][name].cpu(), host[k][name], rtol=2e-6, atol=1e-7, msg=f"{k} {name}")
+
+
+def _update_many(blocks: dict[str, dict[str, torch.Tensor]], mode_visible: bool, seed: int = 9):
+    """One host `adam_update` of many blocks seen by two cameras, each at a random tenth of the rows."""
+    keys = list(blocks)
+    cached = {k: SimpleNamespace(arrays=lambda make, t=blocks[k]: make(t)) for k in keys}
+    paged = Paged(keys, [keys, keys], cached, blocks)
+    gathered = gather(blocks, keys, requires_grad=True)
+    g = torch.Generator().manual_seed(seed)
+    for p in gathered.params.values():
+        p.grad = torch.randn(p.shape, generator=g)
+    m = gathered.offsets[-1]
+    owned = {i: SimpleNamespace(ids=torch.randperm(m, generator=g)[: m // 10],
+                                radii=torch.randint(0, 9, (m // 10, 2), generator=g, dtype=torch.int32)) for i in (0, 1)}
+    back = {i: Back(torch.randn(len(o.ids), 9, generator=g), torch.rand(len(o.ids), generator=g) < 0.6, None)
+            for i, o in owned.items()}
+    contributed = torch.zeros(m, dtype=torch.bool)
+    for i, b in back.items():
+        contributed[owned[i].ids] |= torch.ones_like(b.contributed) if mode_visible else b.contributed
+    stats, cache = StepStats(), _Cache()
+    cfg = AdamConfig()
+    adam_update(paged, Projected(gathered, None, owned, SH_DEGREE), Backprop(back, contributed),
+                [_camera(32, 24), _camera(20, 20)], cache, learning_rates(cfg, 3, 100, 1.0), cfg, stats,
+                global_step=3 if mode_visible else 0, batched=False)
+    return stats, cache.dirty
+
+
+@pytest.mark.parametrize("mode_visible", [False, True])
+def test_many_blocks_stepped_at_once_are_the_blocks_stepped_one_by_one(mode_visible, monkeypatch):
+    """Adam and the statistics of many small blocks in one compiled call over their address table
+    (`step._step_at_once`) against the call a block from the interpreter: every array of every
+    block bit for bit (empty blocks, unseen ones, ones seen but not stepped among them), the same
+    blocks dirty, the same rows stepped and the same extents; over two steps, so the moment
+    columns each block keeps are read back as they were left."""
+    import train.step as step_module
+
+    sizes = [0, 5, 130, 1, 0, 77, 300, 2, 40, 9] * 4
+    at_once = {f"b{i}": _block(n, seed=100 + i) for i, n in enumerate(sizes)}
+    one_by_one = {k: {n: v.clone() for n, v in b.items()} for k, b in at_once.items()}
+    called = []
+    real = step_module._step_at_once
+    monkeypatch.setattr(step_module, "_step_at_once", lambda *a: called.append(1) or real(*a))
+    runs = [[_update_many(at_once, mode_visible, seed=s) for s in (9, 10)]]
+    assert len(called) == 2
+    monkeypatch.setattr(step_module, "_at_once", lambda *a: False)
+    runs.append([_update_many(one_by_one, mode_visible, seed=s) for s in (9, 10)])
+    for (s_a, dirty_a), (s_b, dirty_b) in zip(*runs):
+        assert dirty_a == dirty_b and 0 < len(dirty_a) < len(sizes) - 8
+        assert s_a.contributed == s_b.contributed > 0
+        assert s_a.extents == s_b.extents
+    for k in at_once:
+        for name in at_once[k]:
+            assert torch.equal(at_once[k][name], one_by_one[k][name]), f"{k} {name}"

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 # Threads are worth it only while no block holds most of the rows: one block larger than that is
@@ -83,3 +85,14 @@ def share_blocks(n_blocks: int, threads: int, work: Callable[[Iterator[int]], T]
         if e is not None:
             raise e
     return results
+
+
+def row_groups(offsets: Sequence[int], groups: int) -> np.ndarray:  # -> [G + 1] int64, G <= groups
+    """Block indices that cut the blocks (block b holds rows offsets[b]:offsets[b + 1]) into at
+    most `groups` runs of consecutive blocks holding about equal rows: a compiled loop over the
+    runs splits them among its threads in equal numbers, whatever the blocks' sizes."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    blocks = len(offsets) - 1
+    targets = offsets[0] + (offsets[-1] - offsets[0]) * np.arange(1, groups) // max(groups, 1)
+    cuts = np.searchsorted(offsets[1:-1], targets, side="left") + 1 if blocks > 1 else np.zeros(0, np.int64)
+    return np.unique(np.concatenate([[0], cuts, [blocks]])).astype(np.int64)

@@ -27,7 +27,8 @@ import torch
 from numba import prange
 from torch import Tensor
 
-from storage.schema import PARAM_NAMES
+from storage.schema import PARAM_NAMES, STAT_NAMES
+from train.pointers import address, float_rows, int32_vector, int64_vector
 
 ADAM_MODES = ("contributed", "visible", "dense")
 
@@ -173,6 +174,34 @@ def _adam_block_cpu(ps, gs, ms, vs, lrs, cols, bounds, adam_step, lo, mask, b1, 
     return k
 
 
+# A block's row of the address table (`numpy_arrays`' ADDRESSES): its six parameters, their
+# exp_avg and exp_avg_sq, its moment_columns and adam_step, then its statistics (STAT_NAMES).
+_P, _M, _V, _BOUNDS, _STEP, STATS_AT = 0, 6, 12, 18, 19, 20
+_NO_SPLIT = np.iinfo(np.int64).max  # parallel_rows of a block stepped on one thread
+
+
+@numba.njit(inline="always")
+def _six_rows(a, at, n, widths):  # -> the six [n, widths[j]] float32 arrays at a[at:at + 6]
+    return (float_rows(a[at], n, widths[0]), float_rows(a[at + 1], n, widths[1]),
+            float_rows(a[at + 2], n, widths[2]), float_rows(a[at + 3], n, widths[3]),
+            float_rows(a[at + 4], n, widths[4]), float_rows(a[at + 5], n, widths[5]))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adam_blocks_cpu(table, sizes, los, widths, groups, gs, lrs, cols, mask, b1, b2, eps, global_step, stepped):
+    """`_adam_block_cpu` of many blocks in one call: block b's arrays at the addresses table[b]
+    (sizes[b] rows; parameter j has widths[j] columns), its rows at los[b] of the batch;
+    stepped[b] gets how many rows it stepped. The blocks of a group (groups [G + 1]: runs of
+    blocks of about equal rows) go to one thread, each block computed as alone on one core."""
+    for grp in prange(groups.size - 1):
+        for b in range(groups[grp], groups[grp + 1]):
+            n, a = sizes[b], table[b]
+            stepped[b] = _adam_block_cpu(_six_rows(a, _P, n, widths), gs, _six_rows(a, _M, n, widths),
+                                         _six_rows(a, _V, n, widths), lrs, cols, int64_vector(a[_BOUNDS], 6),
+                                         int32_vector(a[_STEP], n), los[b], mask, b1, b2, eps, global_step,
+                                         _NO_SPLIT)
+
+
 @numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
 def _catch_up_row_cpu(p, m, v, r, done, to_step, lrs, b1, b2, eps):
     """Steps done+1..to_step of row r of one parameter (p, m, v [N, D] float32) with a zero
@@ -231,6 +260,7 @@ _UPDATED = tuple(f"{prefix}{x}" for prefix in ("", "exp_avg_", "exp_avg_sq_") fo
 
 MOMENT_COLUMNS = "moment_columns"  # the key of `numpy_arrays`'s bounds
 ADAM_ARGUMENTS = "adam_arguments"  # the key of `numpy_arrays`'s (params, exp_avg, exp_avg_sq, bounds, adam_step)
+ADDRESSES = "addresses"  # the key of `numpy_arrays`'s [23] int64 address table row (`_P` ... `STATS_AT`)
 
 
 def moment_columns(arrays: dict[str, np.ndarray]) -> np.ndarray:  # -> [len(PARAM_NAMES)] int64
@@ -259,6 +289,9 @@ def numpy_arrays(tensors: dict[str, Tensor]) -> dict[str, np.ndarray] | None:
         # longer than the step of a block of a few hundred rows
         arrays[ADAM_ARGUMENTS] = (*(tuple(arrays[x] for x in _UPDATED[i : i + 6]) for i in (0, 6, 12)),
                                   arrays[MOMENT_COLUMNS], arrays["adam_step"].reshape(-1))
+        if all(x in arrays for x in STAT_NAMES):
+            arrays[ADDRESSES] = np.array([address(arrays[x]) for x in (*_UPDATED, MOMENT_COLUMNS, "adam_step",
+                                                                      *STAT_NAMES)], np.int64)
     return arrays
 
 
@@ -478,6 +511,28 @@ class SparseAdam:
                                    self.parallel_rows)
         with torch.no_grad():
             return self._step_torch(block, lo)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the batch is on the host, so that blocks are stepped by the compiled kernels."""
+        return self._compiled is not None
+
+    def step_blocks(
+        self,
+        table: np.ndarray,  # [B, 23] int64 the blocks' `numpy_arrays(...)[ADDRESSES]`, their arrays held by the caller
+        sizes: np.ndarray,  # [B] int64 rows of each block
+        los: np.ndarray,  # [B] int64 each block's first row in the batch
+        widths: np.ndarray,  # [6] int64 columns of each parameter (as [N, -1]), in PARAM_NAMES order
+        groups: np.ndarray,  # [G + 1] int64 runs of blocks a thread takes (`blockwise.row_groups`)
+    ) -> np.ndarray:  # [B] int64 rows stepped in each block
+        """`step` of many blocks in one compiled call, each on one core and bit for bit as `step`
+        computes it: a step over hundreds of small blocks no longer calls from the interpreter
+        once a block."""
+        g, m, lr, cols = self._compiled
+        (b1, b2), eps = self.cfg.betas, self.cfg.eps
+        stepped = np.empty(len(sizes), np.int64)
+        _adam_blocks_cpu(table, sizes, los, widths, groups, g, lr, cols, m, b1, b2, eps, self.global_step, stepped)
+        return stepped
 
     def _step_torch(self, block: dict[str, Tensor], lo: int) -> int:
         n, (b1, b2), eps = block["means"].shape[0], self.cfg.betas, self.cfg.eps

@@ -17,6 +17,7 @@ from numba import njit, prange
 from torch import Tensor
 
 from train.camera import Camera
+from train.pointers import float_vector, int32_vector
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -57,6 +58,39 @@ def _add_rows(grad2d, count, max_radii, acc_grad2d, acc_count, acc_max_radii, lo
         grad2d[i] += acc_grad2d[lo + i]
         count[i] += acc_count[lo + i]
         max_radii[i] = max(max_radii[i], acc_max_radii[lo + i])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _add_stats_blocks(table, at, sizes, los, groups, stepped, grad2d, count, max_radii, changed):
+    """`add_stats` of many blocks in one call: block b's statistics at the addresses table[b,
+    at:at + 3] (grad2d, count, max_radii; sizes[b] rows, at los[b] of the batch), added where
+    the block stepped a row (stepped[b]) or one of its rows was counted; changed[b] says which."""
+    for grp in prange(groups.size - 1):
+        for b in range(groups[grp], groups[grp + 1]):
+            n, lo = sizes[b], los[b]
+            seen = stepped[b] > 0
+            for i in range(lo, lo + n):
+                seen |= count[i] != 0
+            changed[b] = seen
+            if seen:
+                _add_rows(float_vector(table[b, at], n), int32_vector(table[b, at + 1], n),
+                          float_vector(table[b, at + 2], n), grad2d, count, max_radii, lo)
+
+
+def add_stats_blocks(
+    table: np.ndarray,  # [B, K] int64 address table rows, the block's statistics at columns at..at+2
+    at: int,
+    sizes: np.ndarray,  # [B] int64
+    los: np.ndarray,  # [B] int64
+    groups: np.ndarray,  # [G + 1] int64 (`blockwise.row_groups`)
+    stepped: np.ndarray,  # [B] int64 rows Adam stepped in each block
+    stats: dict[str, np.ndarray],  # a step's sums over the batch (`empty_stats`)
+) -> np.ndarray:  # [B] bool: the blocks whose statistics (or parameters) changed
+    """`add_stats` of many blocks at once (the caller holding their arrays)."""
+    changed = np.empty(len(sizes), np.bool_)
+    _add_stats_blocks(table, at, sizes, los, groups, stepped, stats["grad2d"], stats["count"], stats["max_radii"],
+                      changed)
+    return changed
 
 
 def add_stats(

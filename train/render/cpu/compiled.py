@@ -27,7 +27,7 @@ from pathlib import Path
 _TRAIN = Path(__file__).resolve().parents[2]
 # Every file that defines a kernel or a function a kernel inlines.
 _SOURCES = (*sorted(p for p in (_TRAIN / "render" / "cpu").glob("*.py") if p.name != "compiled.py"),
-            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "ssim", "stats")))
+            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "pointers", "ssim", "stats")))
 _STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
 # The projection's float64 kernels: fused multiply-adds, reciprocals and reassociation (16% off the
@@ -44,6 +44,7 @@ def _dispatchers() -> list:
             binning._records_and_boxes, binning._test_boxes, binning._argsort_depth, binning._sort_by_tile,
             projection._project, projection._colors, projection._project_vjp, projection._compact,
             optim._adam_rows_cpu, optim._adam_rows_parallel, optim._bias_corrections, optim._adam_block_cpu,
+            optim._adam_blocks_cpu, stats._add_stats_blocks,
             ssim._ssim_forward, ssim._ssim_backward, ssim._ssim_row, stats._accumulate,
             losses._add_reg_grads]
 
@@ -117,16 +118,17 @@ def ensure_compiled() -> None:
 
 def _compile_all() -> None:
     """Project, rasterize, take the training loss and backpropagate a small scene, step sparse
-    Adam on a block (the regularisers' gradients added) and gather its densification statistics."""
+    Adam on a block (the regularisers' gradients added) and gather its densification statistics;
+    then step Adam and add the statistics of two blocks at once."""
     import numpy as np
     import torch
 
-    from storage.schema import block_schema
+    from storage.schema import PARAM_NAMES, block_schema
     from train.camera import Camera
     from train.losses import Regularizers, photometric_loss
-    from train.optim import AdamConfig, sparse_adam_step
+    from train.optim import ADDRESSES, STATS_AT, AdamConfig, SparseAdam, numpy_arrays, sparse_adam_step
     from train.render import project, rasterize
-    from train.stats import accumulate_stats, empty_stats
+    from train.stats import accumulate_stats, add_stats_blocks, empty_stats
 
     n, sh_degree = 64, 3
     rng = np.random.default_rng(0)
@@ -148,6 +150,15 @@ def _compile_all() -> None:
     sparse_adam_step(block, grads, torch.arange(n), AdamConfig().lr, AdamConfig())
     acc = empty_stats(n)
     accumulate_stats(acc, torch.arange(n), torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, 9), camera, 1)
+    # and many blocks at once, by their address table: the block's two halves
+    halves = [{name: t[i * n // 2:(i + 1) * n // 2].contiguous() for name, t in block.items()} for i in (0, 1)]
+    arrays = [numpy_arrays(h) for h in halves]
+    table = np.stack([a[ADDRESSES] for a in arrays])
+    sizes, los = np.array([n // 2, n - n // 2]), np.array([0, n // 2])
+    groups = np.array([0, 1, 2])
+    optimizer = SparseAdam(grads, torch.ones(n, dtype=torch.bool), AdamConfig().lr, AdamConfig())
+    rows = optimizer.step_blocks(table, sizes, los, np.array([arrays[0][x].shape[1] for x in PARAM_NAMES]), groups)
+    add_stats_blocks(table, STATS_AT, sizes, los, groups, rows, acc)
 
 
 if __name__ == "__main__":
