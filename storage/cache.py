@@ -320,7 +320,8 @@ class BlockCache:
         block = self._tiers[0].blocks.get(key)
         if block is None:
             raise BlockNotFoundError(f"cache of store {self.store.name}: block {key} is not on the device")
-        self._check_full(f"cache of store {self.store.name}, block {key}")
+        if self.params_only:  # (the message is made only then: a step marks hundreds of blocks)
+            self._check_full(f"cache of store {self.store.name}, block {key}")
         block.dirty = True
 
     def flush(self) -> tuple[dict[str, BlockInfo], list[str]]:
