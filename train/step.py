@@ -600,9 +600,9 @@ def _at_once(offsets: list[int], arrays: list[dict[str, np.ndarray] | None], opt
 def _step_at_once(offsets: list[int], arrays: list[dict[str, np.ndarray]], optimizer: SparseAdam,
                   acc: dict[str, np.ndarray]) -> dict[int, int]:
     """Adam and the statistics of every block in two compiled calls over the blocks' address
-    table, runs of blocks of about equal rows to each core (a call a block from the interpreter
-    cost ~20 us, 7 ms of a step over 345 blocks of ~145 rows). Returns the rows stepped in each
-    block that changed, as `step_blocks` does."""
+    table, runs of blocks of about equal rows to each core (with a call a block from the
+    interpreter, Adam's phase of 345 blocks of ~145 rows took 8.3-8.75 ms, one block of the same
+    rows 2.5). Returns the rows stepped in each block that changed, as `step_blocks` does."""
     offsets_np = np.asarray(offsets, dtype=np.int64)
     sizes, los = np.diff(offsets_np), offsets_np[:-1]
     table = np.stack([a[ADDRESSES] for a in arrays])  # [B, 23], each row kept with the block's views
