@@ -123,7 +123,8 @@ def test_footprints_hold_every_splat_of_their_box():
         # extents); binning uses its radius box: the footprint must hold both.
         bins = bin_tiles(*(t.detach().contiguous().numpy() for t in
                            (s2d.means2d, s2d.conics, s2d.opacities, s2d.colors, s2d.depths, s2d.radii)), 80, 60)
-        rec = bins.to_rows(bins.records)
+        rec = np.empty_like(bins.records)
+        rec[bins.order] = bins.records  # records are in depth order: back to the splats' rows
         r = np.maximum(s2d.radii.numpy(), rec[:, [HALF_X, HALF_Y]])
         # Pixels i with centre i + 0.5 within mean +- radius, clipped to the image.
         px0 = np.clip(np.ceil(m[:, 0] - r[:, 0] - 0.5), 0, 80)

@@ -42,11 +42,6 @@ class Bins:
     def rows(self) -> np.ndarray:  # [n_isects] int64 the tile lists as rows of the input
         return self.order[self.gids].astype(np.int64)
 
-    def to_rows(self, per_record: np.ndarray) -> np.ndarray:  # [M, ...] in depth order -> input row order
-        out = np.empty_like(per_record)
-        out[self.order] = per_record
-        return out
-
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _records_and_boxes(means2d, conics, opacities, colors, depths, radii, order, tiles_x, tiles_y):
