@@ -38,6 +38,7 @@ from train.render.cpu.ellipse import (
     tile_box,
 )
 from train.render.cpu.fastexp import exp_neg
+from train.render.cpu.prefetch import prefetch
 from train.render.semantics import ALPHA_MAX, T_MIN, TILE_SIZE
 
 GRAD_COLS = 9  # v_mean x, y; v_conic a, b, c; v_opacity; v_color r, g, b (the wire order)
@@ -70,6 +71,8 @@ _Q = _E + np.uint64(_NPIX + _HALF_W)
 _T, _R, _G, _B, _TVA, _BEHIND, _STOP = (_Q + np.uint64(_NPIX + _HALF_W + i * _NPIX) for i in range(7))
 _FORWARD_BUF, _BACKWARD_BUF = int(_B) + _NPIX, int(_STOP) + _NPIX
 _ROW = np.uint64(_HALF_W)
+_RECORD_BYTES = RECORD * 4  # float32 records: one 64-byte cache line each (numba allocates them aligned)
+_AHEAD = 8  # records asked for ahead of the copy (16: no better)
 
 
 @njit(inline="always")
@@ -94,8 +97,14 @@ def _tile_geometry(tile, tiles_x, width, height):
 
 @njit(inline="always")
 def _gather(records, gids, start, n):  # -> [n, RECORD] the tile's splats, contiguous
+    """Each record is asked for `_AHEAD` records before it is copied: the list's records lie
+    anywhere in the array, and waiting for each in turn cost the forward kernel a tenth of its
+    time (docs/benchmarks.md)."""
     local = np.empty((n, RECORD), np.float32)
+    first = records.ctypes.data
     for k in range(n):
+        if k + _AHEAD < n:
+            prefetch(first + gids[start + k + _AHEAD] * _RECORD_BYTES)
         g = gids[start + k]
         for col in range(RECORD):  # element by element: a row slice would build a view (see _splat)
             local[k, col] = records[g, col]
@@ -171,12 +180,14 @@ def _over(buf, p, sig, vis, level, o, cr, cg, cbl):  # -> (1 if the splat was bl
 
 
 @njit(inline="always", fastmath=True)
-def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma, d loss / d opacity, alpha T, c . v
+def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d opacity, alpha T, c . v
     """Take splat k back out of pixel p (back to front): restores the transmittance in front of it
-    and returns the gradients of this pixel's loss w.r.t. the splat's sigma and opacity, the
-    weight alpha T of its colour (0 if it was not blended here) and its colour dotted with the
-    pixel's colour gradient. The caller adds weight * (c . v) to the colour behind, after its
-    other uses of the weight (in that order LLVM keeps the store unmasked)."""
+    and returns the gradient of this pixel's loss w.r.t. the splat's opacity, the weight alpha T
+    of its colour (0 if it was not blended here) and its colour dotted with the pixel's colour
+    gradient. The gradient w.r.t. sigma is -o times the opacity's (alpha = o exp(-sigma)), so the
+    caller sums the opacity's moments and scales them by -o once a splat: a product and a select
+    less a pixel. The caller adds weight * (c . v) to the colour behind, after its other uses of
+    the weight (in that order LLVM keeps the store unmasked)."""
     alpha = min(_AMAX, o * vis)
     ok = (sig >= _ZERO) & (sig <= level) & (kf < buf[_STOP + p])
     ra = _ONE / (_ONE - alpha)
@@ -186,14 +197,15 @@ def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma,
     v_alpha_k = t * c_dot_v + ra * (buf[_TVA + p] - buf[_BEHIND + p])
     unclamped = ok & (o * vis <= _AMAX)
     fac = alpha * t if ok else _ZERO
-    return (-o * vis * v_alpha_k if unclamped else _ZERO), (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
+    return (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
 
 
 @njit(inline="always", fastmath=True)
-def _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac):  # -> acc with pixel p's terms added
-    """The backward's sums over a splat's pixels: moments of d loss / d sigma (x, y, xx, xy, yy),
-    which give the conic and mean gradients, d loss / d opacity, and the colour weights."""
-    sx, sy = v_sig * dx, v_sig * dy
+def _accumulate(acc, buf, p, dx, dy, v_o, fac):  # -> acc with pixel p's terms added
+    """The backward's sums over a splat's pixels: moments of d loss / d opacity (x, y, xx, xy, yy),
+    which times -o are those of d loss / d sigma and give the conic and mean gradients, d loss /
+    d opacity, and the colour weights."""
+    sx, sy = v_o * dx, v_o * dy
     return (acc[0] + sx, acc[1] + sy, acc[2] + sx * dx, acc[3] + sx * dy, acc[4] + sy * dy, acc[5] + v_o,
             acc[6] + fac * buf[_R + p], acc[7] + fac * buf[_G + p], acc[8] + fac * buf[_B + p])
 
@@ -275,10 +287,11 @@ def forward(offsets, gids, records, order, background, width, height, tiles_x, l
 
 
 @njit(inline="always", fastmath=True)
-def _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy):  # -> ab with |pixel p's 2D mean gradient| added
+def _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy):  # -> ab with |pixel p's 2D mean gradient| / o added
     """AbsGS's statistic: the sum over pixels of each component's absolute per-pixel gradient of
-    the 2D mean (d sigma / d mean = (a dx + b dy, b dx + c dy))."""
-    sx, sy = v_sig * dx, v_sig * dy
+    the 2D mean (d sigma / d mean = (a dx + b dy, b dx + c dy)), divided by the opacity o > 0,
+    which the caller multiplies back once a splat."""
+    sx, sy = v_o * dx, v_o * dy
     return ab[0] + abs(ca * sx + cb * sy), ab[1] + abs(cb * sx + cc * sy)
 
 
@@ -347,40 +360,41 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         for q in range((yb - ya) * _HALF_W):
                             p = base + np.uint64(q)
                             dx, dy, vis = _stepped(buf, p, mx, my, step)
-                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
-                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
-                            ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
+                            v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
+                            ab = _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy)
                             buf[_BEHIND + p] += fac * c_dot_v
                     else:
                         for q in range((yb - ya) * _HALF_W):
                             p = base + np.uint64(q)
                             dx, dy, vis = _stepped(buf, p, mx, my, step)
-                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
-                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                            v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
                             buf[_BEHIND + p] += fac * c_dot_v
                 elif want_abs:
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
                         sig = _sigma(ca, cb, cc, dx, dy)
-                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
-                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
-                        ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
+                        v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
+                        acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
+                        ab = _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy)
                         buf[_BEHIND + p] += fac * c_dot_v
                 else:
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
                         sig = _sigma(ca, cb, cc, dx, dy)
-                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
-                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                        v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
+                        acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
                         buf[_BEHIND + p] += fac * c_dot_v
             i = start + k
             if want_abs:
-                absgrads[i, 0], absgrads[i, 1] = ab
+                absgrads[i, 0], absgrads[i, 1] = o * ab[0], o * ab[1]
             m_x, m_y, m_xx, m_xy, m_yy, g_o, g_r, g_g, g_b = acc
-            grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
-            grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
+            no = -o  # d sigma's moments from d opacity's
+            grads[i, 0], grads[i, 1] = no * (ca * m_x + cb * m_y), no * (cb * m_x + cc * m_y)
+            grads[i, 2], grads[i, 3], grads[i, 4] = (no * _HALF) * m_xx, no * m_xy, (no * _HALF) * m_yy
             grads[i, 5], grads[i, 6], grads[i, 7], grads[i, 8] = g_o, g_r, g_g, g_b
 
 
