@@ -104,9 +104,13 @@ def test_reference_loop_equals_the_trainers_dense_adam(tiny, tmp_path):
     CPU) and with the reference loop (torch.optim.Adam, gsplat's scheduler) on the same CPU
     renderer: after 5 steps every parameter agrees to float rounding. The one exception is
     named: the tiler's rotations are the identity, where the gradient of quats' w is zero but for
-    rounding, and Adam (eps 1e-15) turns that noise into steps of up to lr either way; so w is
-    compared to a tenth of its lr a step, and the other three components (whose gradients scale
-    with 1 / |q|, which w's noise moves) to 1e-5, a hundredth of their lr (measured: 5e-5, 2e-6)."""
+    rounding, and Adam (eps 1e-15) turns that noise into steps of up to lr either way. So w is
+    the sign of each run's rounding, which a kernel's summation order or the CPU's vector width
+    changes (runs 5.5e-4 and 6.9e-4 apart after 5 steps), and the two runs' w are not compared:
+    each is held to the most Adam can move it, 1.02 lr a step (bias-corrected, beta1 0.9, beta2
+    0.999: |m^ / sqrt(v^)| <= sqrt(sum w_i^2 / u_i) <= 1.011 over 5 steps, w_i and u_i the
+    moments' weights). The other three components (whose gradients scale with 1 / |q|, which w's
+    noise moves) are compared to 1e-5, a hundredth of their lr (measured: 5e-5, 2e-6)."""
     data, store = tiny
     trained = shutil.copytree(store, tmp_path / "ours.zarr")
     flags = ["--data", str(data), "--steps", str(STEPS), "--adam", "dense", "--strategy", "none", "--device", "cpu",
@@ -125,7 +129,8 @@ def test_reference_loop_equals_the_trainers_dense_adam(tiny, tmp_path):
         assert got.shape == ours.shape
         if name == "quats":
             np.testing.assert_allclose(got[:, 1:], ours[:, 1:], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(got[:, 0], ours[:, 0], atol=0.1 * lr["quats"] * STEPS)
+            for w in (got[:, 0], ours[:, 0]):
+                assert np.abs(w - start[:, 0]).max() <= 1.02 * lr["quats"] * STEPS
         else:
             np.testing.assert_allclose(got, ours, rtol=1e-5, atol=1e-6, err_msg=name)
         if name != "shN":  # at SH degree 0 (the first 1000 steps) shN has no gradient
