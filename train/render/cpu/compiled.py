@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 _TRAIN = Path(__file__).resolve().parents[2]
-# Every file that defines a kernel or a function a kernel inlines.
+# Every file that defines a kernel or a function a kernel inlines, and the one that sets their target.
 _SOURCES = (*sorted(p for p in (_TRAIN / "render" / "cpu").glob("*.py") if p.name != "compiled.py"),
-            *(_TRAIN / f"{m}.py" for m in ("losses", "optim", "pointers", "ssim", "stats")))
+            *(_TRAIN / f"{m}.py" for m in ("codegen", "losses", "optim", "pointers", "ssim", "stats")))
 _STAMP = "octosplat-kernels.sha256"  # beside numba's index files
 
 # The projection's float64 kernels: fused multiply-adds, reciprocals and reassociation (16% off the
