@@ -180,12 +180,14 @@ def _over(buf, p, sig, vis, level, o, cr, cg, cbl):  # -> (1 if the splat was bl
 
 
 @njit(inline="always", fastmath=True)
-def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma, d loss / d opacity, alpha T, c . v
+def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d opacity, alpha T, c . v
     """Take splat k back out of pixel p (back to front): restores the transmittance in front of it
-    and returns the gradients of this pixel's loss w.r.t. the splat's sigma and opacity, the
-    weight alpha T of its colour (0 if it was not blended here) and its colour dotted with the
-    pixel's colour gradient. The caller adds weight * (c . v) to the colour behind, after its
-    other uses of the weight (in that order LLVM keeps the store unmasked)."""
+    and returns the gradient of this pixel's loss w.r.t. the splat's opacity, the weight alpha T
+    of its colour (0 if it was not blended here) and its colour dotted with the pixel's colour
+    gradient. The gradient w.r.t. sigma is -o times the opacity's (alpha = o exp(-sigma)), so the
+    caller sums the opacity's moments and scales them by -o once a splat: a product and a select
+    less a pixel. The caller adds weight * (c . v) to the colour behind, after its other uses of
+    the weight (in that order LLVM keeps the store unmasked)."""
     alpha = min(_AMAX, o * vis)
     ok = (sig >= _ZERO) & (sig <= level) & (kf < buf[_STOP + p])
     ra = _ONE / (_ONE - alpha)
@@ -195,14 +197,15 @@ def _under(buf, p, sig, vis, level, kf, o, cr, cg, cbl):  # -> d loss / d sigma,
     v_alpha_k = t * c_dot_v + ra * (buf[_TVA + p] - buf[_BEHIND + p])
     unclamped = ok & (o * vis <= _AMAX)
     fac = alpha * t if ok else _ZERO
-    return (-o * vis * v_alpha_k if unclamped else _ZERO), (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
+    return (vis * v_alpha_k if unclamped else _ZERO), fac, c_dot_v
 
 
 @njit(inline="always", fastmath=True)
-def _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac):  # -> acc with pixel p's terms added
-    """The backward's sums over a splat's pixels: moments of d loss / d sigma (x, y, xx, xy, yy),
-    which give the conic and mean gradients, d loss / d opacity, and the colour weights."""
-    sx, sy = v_sig * dx, v_sig * dy
+def _accumulate(acc, buf, p, dx, dy, v_o, fac):  # -> acc with pixel p's terms added
+    """The backward's sums over a splat's pixels: moments of d loss / d opacity (x, y, xx, xy, yy),
+    which times -o are those of d loss / d sigma and give the conic and mean gradients, d loss /
+    d opacity, and the colour weights."""
+    sx, sy = v_o * dx, v_o * dy
     return (acc[0] + sx, acc[1] + sy, acc[2] + sx * dx, acc[3] + sx * dy, acc[4] + sy * dy, acc[5] + v_o,
             acc[6] + fac * buf[_R + p], acc[7] + fac * buf[_G + p], acc[8] + fac * buf[_B + p])
 
@@ -284,10 +287,11 @@ def forward(offsets, gids, records, order, background, width, height, tiles_x, l
 
 
 @njit(inline="always", fastmath=True)
-def _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy):  # -> ab with |pixel p's 2D mean gradient| added
+def _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy):  # -> ab with |pixel p's 2D mean gradient| / o added
     """AbsGS's statistic: the sum over pixels of each component's absolute per-pixel gradient of
-    the 2D mean (d sigma / d mean = (a dx + b dy, b dx + c dy))."""
-    sx, sy = v_sig * dx, v_sig * dy
+    the 2D mean (d sigma / d mean = (a dx + b dy, b dx + c dy)), divided by the opacity o > 0,
+    which the caller multiplies back once a splat."""
+    sx, sy = v_o * dx, v_o * dy
     return ab[0] + abs(ca * sx + cb * sy), ab[1] + abs(cb * sx + cc * sy)
 
 
@@ -356,40 +360,41 @@ def backward(offsets, gids, records, background, width, height, tiles_x, lanes,
                         for q in range((yb - ya) * _HALF_W):
                             p = base + np.uint64(q)
                             dx, dy, vis = _stepped(buf, p, mx, my, step)
-                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
-                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
-                            ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
+                            v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
+                            ab = _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy)
                             buf[_BEHIND + p] += fac * c_dot_v
                     else:
                         for q in range((yb - ya) * _HALF_W):
                             p = base + np.uint64(q)
                             dx, dy, vis = _stepped(buf, p, mx, my, step)
-                            v_sig, v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
-                            acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                            v_o, fac, c_dot_v = _under(buf, p, _sigma(ca, cb, cc, dx, dy), vis, level, kf, o, cr, cg, cbl)
+                            acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
                             buf[_BEHIND + p] += fac * c_dot_v
                 elif want_abs:
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
                         sig = _sigma(ca, cb, cc, dx, dy)
-                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
-                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
-                        ab = _accumulate_abs(ab, ca, cb, cc, v_sig, dx, dy)
+                        v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
+                        acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
+                        ab = _accumulate_abs(ab, ca, cb, cc, v_o, dx, dy)
                         buf[_BEHIND + p] += fac * c_dot_v
                 else:
                     for q in range((yb - ya) * _HALF_W):
                         p = base + np.uint64(q)
                         dx, dy = mx - buf[_X + p], my - buf[_Y + p]
                         sig = _sigma(ca, cb, cc, dx, dy)
-                        v_sig, v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
-                        acc = _accumulate(acc, buf, p, dx, dy, v_sig, v_o, fac)
+                        v_o, fac, c_dot_v = _under(buf, p, sig, exp_neg(sig), level, kf, o, cr, cg, cbl)
+                        acc = _accumulate(acc, buf, p, dx, dy, v_o, fac)
                         buf[_BEHIND + p] += fac * c_dot_v
             i = start + k
             if want_abs:
-                absgrads[i, 0], absgrads[i, 1] = ab
+                absgrads[i, 0], absgrads[i, 1] = o * ab[0], o * ab[1]
             m_x, m_y, m_xx, m_xy, m_yy, g_o, g_r, g_g, g_b = acc
-            grads[i, 0], grads[i, 1] = ca * m_x + cb * m_y, cb * m_x + cc * m_y
-            grads[i, 2], grads[i, 3], grads[i, 4] = _HALF * m_xx, m_xy, _HALF * m_yy
+            no = -o  # d sigma's moments from d opacity's
+            grads[i, 0], grads[i, 1] = no * (ca * m_x + cb * m_y), no * (cb * m_x + cc * m_y)
+            grads[i, 2], grads[i, 3], grads[i, 4] = (no * _HALF) * m_xx, no * m_xy, (no * _HALF) * m_yy
             grads[i, 5], grads[i, 6], grads[i, 7], grads[i, 8] = g_o, g_r, g_g, g_b
 
 
