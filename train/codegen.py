@@ -3,8 +3,8 @@
 The tile kernels are written for rows of 8 float32 lanes (`kernels._HALF_W`, one AVX2 register).
 Where LLVM's tuning for an AVX-512 CPU lets the vectorizer use 512-bit registers (AMD Zen 4,
 `znver4`), it vectorizes their pixel loops 16 lanes wide: two rows of a half tile a vector, and
-an odd row left to an epilogue. With 256-bit vectors preferred, the tile kernels took 0.80x
-(forward) and 0.83x (backward) of the time on a Zen 4 (docs/benchmarks.md, ## opensplat).
+an odd row left to an epilogue. With 256-bit vectors preferred, the tile kernels took 0.82x
+(forward) and 0.87x (backward) of the time on a Zen 4 (docs/benchmarks.md, ## opensplat).
 LLVM's tuning for Intel's AVX-512 server cores already prefers 256 bits, and CPUs without
 AVX-512 have no wider vectors: there this changes nothing.
 
