@@ -98,8 +98,8 @@ def _tile_geometry(tile, tiles_x, width, height):
 @njit(inline="always")
 def _gather(records, gids, start, n):  # -> [n, RECORD] the tile's splats, contiguous
     """Each record is asked for `_AHEAD` records before it is copied: the list's records lie
-    anywhere in the array, and waiting for each in turn cost the forward kernel a tenth of its
-    time (docs/benchmarks.md)."""
+    anywhere in the array, and waiting for each in turn cost the tile kernels an eighth of their
+    time (0.86-0.88x with the hint on a Zen 3, docs/benchmarks.md)."""
     local = np.empty((n, RECORD), np.float32)
     first = records.ctypes.data
     for k in range(n):
