@@ -68,6 +68,38 @@ def test_compiled_adam_gives_the_same_bits_on_one_core_or_two_and_serial_or_spli
     assert not torch.equal(results[0]["means"], _block(n)["means"])
 
 
+def test_runs_of_rows_stepped_as_one_vector_loop_give_the_row_by_row_bits():
+    """Consecutive rows with one bias correction, their arrays contiguous, are stepped as one loop
+    over their elements (vectorized); the same values in views of wider arrays take the loop row
+    by row. Runs here break at skipped rows and where the bias correction changes."""
+    from train.optim import _adam_rows_cpu, _bias_corrections
+
+    rng = np.random.default_rng(0)
+    n, d, lo = 1000, 3, 5
+    p, m = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(2))
+    v = np.abs(rng.standard_normal((n, d))).astype(np.float32)
+    g = rng.standard_normal((lo + n, d)).astype(np.float32)  # the batch's gradient, the block at row lo
+    rows = np.flatnonzero(rng.random(n) < 0.9)
+    steps = np.full(rows.size, 7, np.int32)
+    steps[rows.size // 2:] = 8
+    bc1, inv = _bias_corrections(steps, 0.9, 0.999)
+
+    def strided(a: np.ndarray) -> np.ndarray:  # the same values in a view whose rows are not contiguous
+        wide = np.zeros((a.shape[0], d + 1), np.float32)
+        wide[:, :d] = a
+        return wide[:, :d]
+
+    runs = [a.copy() for a in (p, g, m, v)]
+    row_by_row = [strided(a) for a in (p, g, m, v)]
+    for arrays in (runs, row_by_row):
+        _adam_rows_cpu(*arrays, rows, bc1, inv, lo, 1e-3, 0.9, 0.999, 1e-15, d, d)
+    for a, b in zip(runs, row_by_row):
+        assert np.array_equal(a, b)
+    assert not np.array_equal(runs[0], p)
+    untouched = np.setdiff1d(np.arange(n), rows)
+    assert np.array_equal(runs[0][untouched], p[untouched])
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_rows_not_stepped_are_untouched_and_keep_their_own_bias_correction(compiled):
     cfg = AdamConfig()

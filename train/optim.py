@@ -28,7 +28,7 @@ from numba import prange
 from torch import Tensor
 
 from storage.schema import PARAM_NAMES, STAT_NAMES
-from train.pointers import address, float_rows, int32_vector, int64_vector
+from train.pointers import address, float_rows, float_vector, int32_vector, int64_vector
 
 ADAM_MODES = ("contributed", "visible", "dense")
 
@@ -77,21 +77,64 @@ def _any_nonzero(m, v, r, lo, hi):  # m, v [N, D] float32 -> whether any of m[r,
     return nz != 0
 
 
+_FLOAT_BYTES = 4
+
+
+@numba.njit(inline="always")
+def _rows_contiguous(a, d):  # whether a's rows [N, d] lie one after the other
+    return a.strides[1] == _FLOAT_BYTES and a.strides[0] == d * _FLOAT_BYTES
+
+
+@numba.njit(inline="always", fastmath={"arcp", "contract", "nsz"}, error_model="numpy")
+def _adam_run(p, g, m, v, step_size, inv, b1f, b2f, c1, c2, epsf):  # [n] float32 each: one element's Adam
+    for e in range(p.size):
+        ge = g[e]
+        me = b1f * m[e] + c1 * ge
+        ve = b2f * v[e] + c2 * ge * ge
+        m[e] = me
+        v[e] = ve
+        p[e] -= step_size * me / (np.sqrt(ve) * inv + epsf)
+
+
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
-# an element; with reciprocals and fused multiply-adds allowed it costs ~4.
-@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
+# an element; with reciprocals and fused multiply-adds allowed it costs ~4. error_model "numpy":
+# numba's default tests every division for zero and raises, and that branch keeps LLVM from
+# vectorizing a loop (the denominator is at least eps > 0).
+@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True, error_model="numpy")
 def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols, hi):
     """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
     rows at lo..lo+N, zero past its first `cols` columns (shN's coefficients above the SH degree
     in use); m and v zero in every row past column `hi` (`moment_columns`); rows [R] the block rows
     to update, bc1 [R] float64 and inv_bc2_sqrt [R] float32 their bias corrections
-    (`_bias_corrections`)."""
+    (`_bias_corrections`).
+
+    Where every column takes the gradient, a run of consecutive rows with the same bias
+    corrections (all of them at one global step, `--adam visible`) lies in one stretch of each
+    array and is stepped as one vector loop over its elements; row by row, a row of 1-4 columns
+    left the square root and the division scalar (each element takes the very same operations)."""
     b1f, b2f, c1, c2 = np.float32(b1), np.float32(b2), np.float32(1.0 - b1), np.float32(1.0 - b2)
     epsf = np.float32(eps)
-    for i in range(rows.shape[0]):
+    d = p.shape[1]
+    runs = (d > 0 and cols == d and _rows_contiguous(p, d) and _rows_contiguous(g, d)
+            and _rows_contiguous(m, d) and _rows_contiguous(v, d))
+    n_rows = rows.shape[0]
+    i = 0
+    while i < n_rows:
         r = rows[i]
         step_size = np.float32(lr / bc1[i])
         inv = inv_bc2_sqrt[i]
+        if runs:
+            e = i + 1
+            while e < n_rows and rows[e] == rows[e - 1] + 1 and bc1[e] == bc1[i] and inv_bc2_sqrt[e] == inv:
+                e += 1
+            n = (e - i) * d
+            _adam_run(float_vector(p.ctypes.data + r * d * _FLOAT_BYTES, n),
+                      float_vector(g.ctypes.data + (lo + r) * d * _FLOAT_BYTES, n),
+                      float_vector(m.ctypes.data + r * d * _FLOAT_BYTES, n),
+                      float_vector(v.ctypes.data + r * d * _FLOAT_BYTES, n), step_size, inv, b1f, b2f, c1, c2, epsf)
+            i = e
+            continue
+        i += 1
         for j in range(cols):
             gj = g[lo + r, j]
             mj = b1f * m[r, j] + c1 * gj
