@@ -15,7 +15,7 @@ from train.ssim import fused_ssim_applies, ssim_cpu
 
 
 def _reference(x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """pytorch_msssim's SSIM of [H, W, 3] images and its autograd gradient w.r.t. x."""
+    """pytorch_msssim's SSIM of [H, W, C] images and its autograd gradient w.r.t. x."""
     leaf = x.detach().clone().requires_grad_(True)
     value = msssim(leaf.permute(2, 0, 1)[None], y.permute(2, 0, 1)[None], data_range=1.0, size_average=True)
     value.backward()
@@ -53,11 +53,13 @@ def test_fused_ssim_matches_pytorch_msssim_on_a_real_photo(photo):
     assert float(grad.abs().max()) < 1e-4 * scale
 
 
-@pytest.mark.parametrize("shape", [(11, 11), (12, 37), (64, 11), (40, 29)])
+# The kernels filter each row with its channels side by side (a tap is C values along): other
+# channel counts than 3 check that stride.
+@pytest.mark.parametrize("shape", [(11, 11, 3), (12, 37, 3), (64, 11, 3), (40, 29, 3), (40, 29, 1), (12, 37, 4)])
 def test_fused_ssim_matches_on_small_and_odd_sizes(shape):
     rng = torch.Generator().manual_seed(sum(shape))
-    y = torch.rand(*shape, 3, generator=rng)
-    x = (y + 0.2 * torch.randn(*shape, 3, generator=rng)).clamp(0, 1)
+    y = torch.rand(*shape, generator=rng)
+    x = (y + 0.2 * torch.randn(*shape, generator=rng)).clamp(0, 1)
     value, grad = _fused(x, y)
     ref_value, ref_grad = _reference(x, y)
     assert value == pytest.approx(ref_value, abs=2e-6)
