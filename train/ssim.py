@@ -127,9 +127,9 @@ def _ssim_forward(x, y, g):
         # Rows this band sums the errors of: its own, and the last band also those below it.
         own_end = i1 if b < bands - 1 else h
         terms = np.empty((3, n_in), np.float32)  # an input row's x^2, y^2, xy (x and y are read in place)
-        # The last WINDOW horizontally filtered rows of each map, input row i at i % WINDOW: small
-        # enough (~300 KB at 480 wide) to stay in the core's cache and below malloc's mmap
-        # threshold (a whole band's rows were fresh pages, faulted in at every call).
+        # The last WINDOW horizontally filtered rows of each map, input row i at i % WINDOW: ~300 KB
+        # for a 480-pixel RGB row, within a core's L2 cache (a whole band's rows were fresh pages,
+        # faulted in at every call).
         rows = np.empty((5, WINDOW, n_valid), np.float32)
         filtered, ssim = np.empty((5, n_valid), np.float32), np.empty(n_valid, np.float32)
         for i in range(i0, i1 + WINDOW - 1):
