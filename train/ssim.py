@@ -55,6 +55,12 @@ def gaussian_window(size: int = WINDOW, sigma: float = SIGMA) -> np.ndarray:  # 
 _BANDS_PER_THREAD = 4
 
 
+def _bands() -> int:
+    """The forward's band count, passed in: a kernel that asks numba for its thread count is not
+    cached (numba: "uses dynamic globals"), so every process would compile its own."""
+    return _BANDS_PER_THREAD * numba.get_num_threads()
+
+
 @njit(inline="always", fastmath=_FASTMATH)
 def _filter_row(src, g, stride, out):  # out[m] = sum_k g[k] src[m + k stride], m < len(out): one map, one row
     """The taps unrolled (WINDOW is a compile-time constant) and the sum kept in a register: the
@@ -99,8 +105,9 @@ def _ssim_row(filtered, s, d_mu, d_xx, d_xy):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-def _ssim_forward(x, y, g):
-    """x, y [H, W, C] float32 (H, W >= WINDOW), g [WINDOW] -> SSIM summed over each valid row's
+def _ssim_forward(x, y, g, bands):
+    """x, y [H, W, C] float32 (H, W >= WINDOW), g [WINDOW], bands: tasks of valid rows (`_bands`,
+    which does not change a value) -> SSIM summed over each valid row's
     values [Hv] float64; per input row [H] float64 the sums of |x - y| and of (clamp(x, 0, 1) -
     y)^2; and dS/dmu_x, dS/dE[x^2], dS/dE[xy] at every valid value, three [Hv + 2 PAD, (Wv + 2
     PAD) C] maps (a row's pixels with their channels side by side, as the images hold them) zero
@@ -114,7 +121,7 @@ def _ssim_forward(x, y, g):
     hv, wv = h - WINDOW + 1, w - WINDOW + 1
     xf, yf = x.reshape(h, w * nc), y.reshape(h, w * nc)
     n_in, n_valid, n_pad = w * nc, wv * nc, (wv + 2 * _PAD) * nc
-    bands = min(hv, _BANDS_PER_THREAD * numba.get_num_threads())
+    bands = max(1, min(hv, bands))
     d_mu = np.empty((hv + 2 * _PAD, n_pad), np.float32)
     d_xx = np.empty_like(d_mu)
     d_xy = np.empty_like(d_mu)
@@ -223,7 +230,8 @@ class SsimPass:
         self.g = gaussian_window()
         h, w, c = self.x.shape
         self.valid = c * (h - WINDOW + 1) * (w - WINDOW + 1)  # SSIM's mean is over these
-        sums, self.l1_rows, self.se_rows, self.d_mu, self.d_xx, self.d_xy = _ssim_forward(self.x, self.y, self.g)
+        sums, self.l1_rows, self.se_rows, self.d_mu, self.d_xx, self.d_xy = _ssim_forward(
+            self.x, self.y, self.g, _bands())
         self.value = float(np.float32(sums.sum() / self.valid))
 
     def grad(self, grad_value: float, l1_factor: np.float32 = np.float32(0.0)) -> np.ndarray:  # -> [H, W, C] float32
