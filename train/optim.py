@@ -85,22 +85,30 @@ def _rows_contiguous(a, d):  # whether a's rows [N, d] lie one after the other
     return a.strides[1] == _FLOAT_BYTES and a.strides[0] == d * _FLOAT_BYTES
 
 
-@numba.njit(inline="always", fastmath={"arcp", "contract", "nsz"}, error_model="numpy")
-def _adam_run(p, g, m, v, step_size, inv, b1f, b2f, c1, c2, epsf):  # [n] float32 each: one element's Adam
+_ADAM_FASTMATH = {"arcp", "contract", "nsz"}
+
+
+@numba.njit(inline="always", fastmath=_ADAM_FASTMATH, error_model="numpy")
+def _adam_element(gj, mj, vj, step_size, inv, b1f, b2f, c1, c2, epsf):  # -> new m, new v, the step off p
+    """One element's Adam with its gradient gj (float32 each): the one formula of both loops of
+    `_adam_rows_cpu`, so a run and a row give the same bits."""
+    mj = b1f * mj + c1 * gj
+    vj = b2f * vj + c2 * gj * gj
+    return mj, vj, step_size * mj / (np.sqrt(vj) * inv + epsf)
+
+
+@numba.njit(inline="always", fastmath=_ADAM_FASTMATH, error_model="numpy")
+def _adam_run(p, g, m, v, step_size, inv, b1f, b2f, c1, c2, epsf):  # [n] float32 each, in place
     for e in range(p.size):
-        ge = g[e]
-        me = b1f * m[e] + c1 * ge
-        ve = b2f * v[e] + c2 * ge * ge
-        m[e] = me
-        v[e] = ve
-        p[e] -= step_size * me / (np.sqrt(ve) * inv + epsf)
+        m[e], v[e], dp = _adam_element(g[e], m[e], v[e], step_size, inv, b1f, b2f, c1, c2, epsf)
+        p[e] -= dp
 
 
 # float32 arithmetic, as torch's Adam: in float64 (converting every operand) the loop cost ~9 ns
 # an element; with reciprocals and fused multiply-adds allowed it costs ~4. error_model "numpy":
 # numba's default tests every division for zero and raises, and that branch keeps LLVM from
 # vectorizing a loop (the denominator is at least eps > 0).
-@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True, error_model="numpy")
+@numba.njit(cache=True, fastmath=_ADAM_FASTMATH, nogil=True, error_model="numpy")
 def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, cols, hi):
     """p, m, v [N, D] float32 of a block; g [M, D] the gradient of a batch holding the block's
     rows at lo..lo+N, zero past its first `cols` columns (shN's coefficients above the SH degree
@@ -136,12 +144,9 @@ def _adam_rows_cpu(p, g, m, v, rows, bc1, inv_bc2_sqrt, lo, lr, b1, b2, eps, col
             continue
         i += 1
         for j in range(cols):
-            gj = g[lo + r, j]
-            mj = b1f * m[r, j] + c1 * gj
-            vj = b2f * v[r, j] + c2 * gj * gj
-            m[r, j] = mj
-            v[r, j] = vj
-            p[r, j] -= step_size * mj / (np.sqrt(vj) * inv + epsf)
+            m[r, j], v[r, j], dp = _adam_element(g[lo + r, j], m[r, j], v[r, j], step_size, inv, b1f, b2f, c1, c2,
+                                                 epsf)
+            p[r, j] -= dp
         # A zero gradient on zero moments leaves all three as they are (SH coefficients not yet
         # trained, the most of a row in the first thousands of steps): neither they nor the
         # gradient are read or written; moments left from an earlier run still decay. The tail is
@@ -245,7 +250,7 @@ def _adam_blocks_cpu(table, sizes, los, widths, groups, gs, lrs, cols, mask, b1,
                                          _NO_SPLIT)
 
 
-@numba.njit(cache=True, fastmath={"arcp", "contract", "nsz"}, nogil=True)
+@numba.njit(cache=True, fastmath=_ADAM_FASTMATH, nogil=True)
 def _catch_up_row_cpu(p, m, v, r, done, to_step, lrs, b1, b2, eps):
     """Steps done+1..to_step of row r of one parameter (p, m, v [N, D] float32) with a zero
     gradient: the arithmetic of `_adam_rows_cpu` with g = 0; lrs [S] the learning rate of each
