@@ -121,6 +121,7 @@ def _ssim_forward(x, y, g, bands):
     hv, wv = h - WINDOW + 1, w - WINDOW + 1
     xf, yf = x.reshape(h, w * nc), y.reshape(h, w * nc)
     n_in, n_valid, n_pad = w * nc, wv * nc, (wv + 2 * _PAD) * nc
+    lead = _PAD * nc  # a padded map row's zero values before its valid ones
     bands = max(1, min(hv, bands))
     d_mu = np.empty((hv + 2 * _PAD, n_pad), np.float32)
     d_xx = np.empty_like(d_mu)
@@ -163,10 +164,10 @@ def _ssim_forward(x, y, g, bands):
             for q in range(5):  # vertical
                 _filter_ring(rows[q], io, g, filtered[q])
             o = _PAD + io
-            d_mu[o, :_PAD * nc], d_xx[o, :_PAD * nc], d_xy[o, :_PAD * nc] = 0.0, 0.0, 0.0
-            d_mu[o, _PAD * nc + n_valid:], d_xx[o, _PAD * nc + n_valid:], d_xy[o, _PAD * nc + n_valid:] = 0.0, 0.0, 0.0
-            _ssim_row(filtered, ssim, d_mu[o, _PAD * nc:_PAD * nc + n_valid], d_xx[o, _PAD * nc:_PAD * nc + n_valid],
-                      d_xy[o, _PAD * nc:_PAD * nc + n_valid])
+            d_mu[o, :lead], d_xx[o, :lead], d_xy[o, :lead] = 0.0, 0.0, 0.0
+            d_mu[o, lead + n_valid:], d_xx[o, lead + n_valid:], d_xy[o, lead + n_valid:] = 0.0, 0.0, 0.0
+            _ssim_row(filtered, ssim, d_mu[o, lead:lead + n_valid], d_xx[o, lead:lead + n_valid],
+                      d_xy[o, lead:lead + n_valid])
             total = 0.0
             for m in range(n_valid):
                 total += ssim[m]
@@ -201,7 +202,7 @@ def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale, l1_factor):
     their channels side by side, as `_ssim_forward` does."""
     h, w, nc = x.shape
     wv = w - WINDOW + 1
-    n_in, n_valid = w * nc, wv * nc
+    n_in, n_valid, lead = w * nc, wv * nc, _PAD * nc
     xf, yf = x.reshape(h, n_in), y.reshape(h, n_in)
     grad = np.empty((h, n_in), np.float32)
     for i in prange(h):
@@ -209,7 +210,7 @@ def _ssim_backward(x, y, g, d_mu, d_xx, d_xy, scale, l1_factor):
         o = np.empty((3, n_in), np.float32)
         for q, d in enumerate((d_mu, d_xx, d_xy)):
             # vertical: valid rows i - k (padded i + PAD - k), then horizontal: valid columns j - k
-            _filter_back(d, i + _PAD, np.uint64(_PAD * nc), g, v[q, _PAD * nc:_PAD * nc + n_valid])
+            _filter_back(d, i + _PAD, np.uint64(lead), g, v[q, lead:lead + n_valid])
             _filter_row_back(v[q], g, np.uint64(nc), o[q])
         for m in range(n_in):
             xv, yv = xf[i, m], yf[i, m]
